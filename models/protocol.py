@@ -1,0 +1,59 @@
+"""The contract every draft kind implements (one file per kind in models/).
+
+Alignment convention (the one place off-by-ones are decided):
+    `DraftOutput.logits[i][:, t]` is compared with the target's distribution at position
+    `t + offsets[i]`, i.e. the target's prediction of token x_{t + offsets[i] + 1}.
+    A draft LM has offsets [0]; Medusa head i has offset i+1; EAGLE unroll step s and
+    MTP depth d are shifted by the model so that the same rule holds.
+The training loop drops positions where `t + offset >= T` and applies the loss mask at
+`t + offset` (1 where x_{t+offset+1} is an assistant token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from decoding.drafter import Drafter
+    from train.target import Target, TargetOutput
+
+
+@dataclass
+class DraftOutput:
+    logits: list[Tensor]  # one [B, T, V_draft] per predicted offset
+    offsets: list[int]  # logits[i][:, t] pairs with the target at position t + offsets[i]
+    aux_loss: Tensor | None = None  # e.g. EAGLE-1 feature regression, already weighted
+    # Reduced draft vocabulary: draft id i is target id vocab_ids[i]. None = full vocabulary.
+    # The loss renormalises the target distribution over these ids.
+    vocab_ids: Tensor | None = None  # [V_draft] long
+    extras: dict[str, Tensor] = field(default_factory=dict)  # anything worth logging
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    """A trainable draft. Built by `from_target(target, token_counts=None, **flat_args)`."""
+
+    # Target hidden layers this draft reads (indices into HF hidden_states; -1 = last,
+    # after the final norm). Empty for a standalone draft LM.
+    hidden_layers: tuple[int, ...]
+
+    def forward(
+        self,
+        target: Target,
+        input_ids: Tensor,  # [B, T]
+        target_out: TargetOutput,  # the frozen target's forward over input_ids
+        attention_mask: Tensor | None = None,  # [B, T]
+    ) -> DraftOutput:
+        """Training call. Frozen pieces shared with the target (embeddings, output head,
+        final norm) are read from `target` here, never stored on the module: checkpoints
+        hold only trained weights, and a bf16 copy of the draft can pair with a bf16
+        copy of the target for evaluation."""
+        ...
+
+    def make_drafter(self, target: Target) -> Drafter:
+        """An inference adapter for the shared decoder, sharing this module's weights and
+        taking frozen pieces from `target` (which may be a bf16 copy used for decoding)."""
+        ...
