@@ -161,7 +161,16 @@ class Target:
 # ---------------------------------------------------------------------------------
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    local = Path(path)
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"target at {path!s} has no usable tokenizer (none of {', '.join(TOKENIZER_FILES)}). "
+            f"Save one beside the weights with tokenizer.save_pretrained({str(path)!r})."
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as err:
@@ -259,7 +268,7 @@ def load_smollm2(dtype: str = "float32", device: str = "auto", cache_dir: str | 
 
 def build_tiny_random(
     seed: int = 0,
-    vocab_size: int = 96,
+    vocab_size: int = 128,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,

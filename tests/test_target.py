@@ -1,0 +1,81 @@
+"""The frozen target wrapper: local HF directories, clear errors, the embedded default."""
+
+import pytest
+import torch
+
+from train.target import Target, build_tiny_random, load_hf_target
+
+
+def test_forward_matches_hf_and_returns_requested_layers(tiny_target: Target):
+    ids = torch.tensor([[7, 8, 9, 10, 11]])
+    out = tiny_target(ids, hidden_layers=(0, 1, -1))
+    ref = tiny_target.model(ids, output_hidden_states=True)
+    torch.testing.assert_close(out.logits, ref.logits)
+    torch.testing.assert_close(out.hidden[1], ref.hidden_states[1])
+    # -1 is the last layer after the final norm: the input of the output head.
+    torch.testing.assert_close(tiny_target.lm_head(out.hidden[-1]), ref.logits)
+    assert out.cache.get_seq_length() == 5
+    assert not any(p.requires_grad for p in tiny_target.model.parameters())
+
+
+def test_cached_forward_equals_full_forward(tiny_target: Target):
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89]])
+    full = tiny_target(ids).logits
+    first = tiny_target(ids[:, :4])
+    rest = tiny_target(ids[:, 4:], cache=first.cache)
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_tiny_random_is_seeded():
+    a, b = build_tiny_random(seed=3, device="cpu"), build_tiny_random(seed=3, device="cpu")
+    ids = torch.tensor([[20, 21, 22]])
+    torch.testing.assert_close(a(ids).logits, b(ids).logits)
+    assert not torch.equal(a(ids).logits, build_tiny_random(seed=4, device="cpu")(ids).logits)
+
+
+def test_local_directory_round_trip(tmp_path, tiny_target: Target):
+    tiny_target.model.save_pretrained(tmp_path)
+    tiny_target.tokenizer.save_pretrained(tmp_path)
+    loaded = load_hf_target(str(tmp_path), device="cpu")
+    ids = torch.tensor([[30, 31, 32, 33]])
+    torch.testing.assert_close(loaded(ids).logits, tiny_target(ids).logits)
+    assert loaded.tokenizer.chat_template == tiny_target.tokenizer.chat_template
+    assert loaded.name == str(tmp_path.resolve())
+
+
+def test_missing_path_names_the_path_and_the_fix(tmp_path):
+    bad = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model.*does not exist.*save_pretrained"):
+        load_hf_target(str(bad))
+
+
+def test_directory_without_tokenizer_is_refused(tmp_path, tiny_target: Target):
+    tiny_target.model.save_pretrained(tmp_path)  # weights only
+    with pytest.raises(FileNotFoundError, match="no usable tokenizer.*tokenizer.save_pretrained"):
+        load_hf_target(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_loads_offline_from_cache_and_generates(tmp_path, monkeypatch):
+    import time
+
+    from train.target import convert_smollm2, load_smollm2
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "cache"
+    convert_smollm2(cache)
+    written = (cache / "smollm2-135m-instruct" / "config.json").stat().st_mtime
+    t0 = time.perf_counter()
+    target = load_smollm2(dtype="bfloat16", device="cpu", cache_dir=str(cache))
+    assert (cache / "smollm2-135m-instruct" / "config.json").stat().st_mtime == written  # reused
+    assert time.perf_counter() - t0 < 60
+    assert not list(cache.glob(".smollm2-tmp-*"))  # no half-written temp dirs left behind
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
+    assert target.rope_kwargs()["max_position_embeddings"] == 8192
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    enc = target.tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = target.model.generate(**enc, max_new_tokens=12, do_sample=False)
+    text = target.tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in text
