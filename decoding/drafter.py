@@ -42,9 +42,14 @@ class Drafter(Protocol):
     # return from every target forward; () for drafters that need none.
     hidden_layers: tuple[int, ...]
 
-    def prefill(self, input_ids: Tensor, target_out: TargetOutput) -> None:
+    def prefill(
+        self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
+    ) -> None:
         """Called once after the target's prefill over the prompt `input_ids` [B, T].
-        `target_out` covers all T positions (logits, hidden layers)."""
+        `target_out.hidden` covers all T positions; `target_out.logits` only the LAST one,
+        [B, 1, V] (the head over a whole prompt is costly). `attention_mask` [B, T]
+        (1 = real token) is passed, as a keyword, only when prompts are LEFT-padded; the
+        target's position ids are then cumsum(mask) - 1, and later rounds append ones."""
         ...
 
     def propose(

@@ -1,0 +1,180 @@
+"""Drafters that need no target features: a standalone draft LM and n-gram prompt lookup.
+
+Both implement `decoding.drafter.Drafter`. Head drafters (EAGLE, Medusa, MTP) live beside
+their models in models/.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from decoding.drafter import Sampling
+from decoding.verify import sampling_probs
+from train.target import Target, TargetOutput
+
+
+class DraftLMDrafter:
+    """Any HF causal LM sharing the target's tokenizer, with its own KV cache.
+
+    Cache invariant between rounds: the draft cache holds every kept token except the
+    ones in `self.pending` (accepted drafts it never fed, e.g. d_k after a full accept)
+    and the newest emitted token, which `propose` receives as `last_tokens`."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: PreTrainedModel, target: Target | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        if target is not None and self.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft LM vocabulary size {self.vocab_size} != target's {target.vocab_size}: "
+                "a standalone draft must use the target's tokenizer (same ids, same size)"
+            )
+        self.cache: DynamicCache | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    def _forward(self, ids: Tensor) -> Tensor:
+        """Feed ids [B, m] at the next positions; returns the last position's logits [B, V]."""
+        B, m = ids.shape
+        positions = self.next_pos[:, None] + torch.arange(m, device=ids.device)  # [B, m]
+        if self.attn is not None:
+            self.attn = torch.cat([self.attn, self.attn.new_ones(B, m)], 1)
+        out = self.model(
+            input_ids=ids,
+            cache=self.cache,
+            attention_mask=self.attn,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.next_pos = self.next_pos + m
+        return out.logits[:, -1]
+
+    def prefill(
+        self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
+    ) -> None:
+        B, T = input_ids.shape
+        self.cache = DynamicCache(config=self.model.config)
+        self.attn = None if attention_mask is None else attention_mask[:, :0].long()
+        self.next_pos = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+        if attention_mask is not None:
+            # Left padding: position ids count real tokens only; pads sit at position 0.
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # [B, T]
+            self.attn = attention_mask.long()
+            self.model(
+                input_ids=input_ids,
+                cache=self.cache,
+                attention_mask=self.attn,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            self.next_pos = positions[:, -1] + 1
+        else:
+            self._forward(input_ids)
+        self.pending = input_ids[:, :0]  # [B, 0]
+        self.fed_drafts = 0
+
+    def propose(
+        self,
+        last_tokens: Tensor,
+        k: int,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        feed = torch.cat([self.pending, last_tokens[:, None]], 1)  # [B, m]
+        drafts, qs = [], []
+        for i in range(k):
+            logits = self._forward(feed)  # [B, V]
+            if sampling.greedy:
+                tok = logits.argmax(-1)
+            else:
+                probs = sampling_probs(logits, sampling)  # [B, V]
+                tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                qs.append(probs)
+            drafts.append(tok)
+            if i < k - 1:  # d_k is only fed if it is accepted (next round, as pending)
+                feed = tok[:, None]
+        self.fed_drafts = k - 1
+        q = torch.stack(qs, 1) if qs else None  # [B, k, V]
+        return torch.stack(drafts, 1), q  # [B, k]
+
+    def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
+        # The cache holds [last, d_1..d_{k-1}] from this round; keep [last, d_1..d_n].
+        drop = self.fed_drafts - min(num_accepted, self.fed_drafts)
+        if drop > 0:
+            self.cache.crop(-drop)
+            if self.attn is not None:
+                self.attn = self.attn[:, :-drop]
+            self.next_pos = self.next_pos - drop
+        self.pending = emitted[:, self.fed_drafts : num_accepted]  # accepted but never fed
+        self.fed_drafts = 0
+
+
+class NgramDrafter:
+    """Prompt lookup (Saxena 2023): find the newest earlier occurrence of the last n tokens
+    (n from max_ngram down to min_ngram) in the prompt + output, and propose what followed.
+    Deterministic, so q is the one-hot of each proposal (lossless under sampling too)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, vocab_size: int | None = None):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.vocab_size = vocab_size
+
+    def prefill(
+        self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
+    ) -> None:
+        rows = input_ids.tolist()
+        if attention_mask is not None:
+            keep = attention_mask.bool().tolist()
+            rows = [[t for t, m in zip(r, km) if m] for r, km in zip(rows, keep)]
+        self.history = rows  # per row: every token in the target's cache
+        self.num_logits = target_out.logits.shape[-1]  # prefill logits: last position only
+        self.device = input_ids.device
+
+    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Newest match followed by k tokens, else the newest match (shorter continuation)."""
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            pattern = tokens[-n:]
+            best: list[int] = []
+            for j in range(len(tokens) - n - 1, -1, -1):  # newest match first
+                if tokens[j : j + n] == pattern:
+                    cont = tokens[j + n : j + n + k]
+                    if len(cont) == k:
+                        return cont
+                    best = best or cont
+            if best:
+                return best
+        return []
+
+    def propose(
+        self,
+        last_tokens: Tensor,
+        k: int,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        self.last = last_tokens.tolist()
+        found = [self._lookup(h + [t], k) for h, t in zip(self.history, self.last)]
+        width = max(len(f) for f in found)
+        # Rows with shorter matches repeat their last token: harmless, verification judges it.
+        rows = [f + [f[-1] if f else t] * (width - len(f)) for f, t in zip(found, self.last)]
+        drafts = torch.tensor(rows, dtype=torch.long, device=self.device).view(len(rows), width)
+        if sampling.greedy:
+            return drafts, None
+        q = torch.nn.functional.one_hot(drafts, self.num_logits).float()  # [B, k', V]
+        return drafts, q
+
+    def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
+        kept = emitted[:, :-1].tolist()  # accepted drafts; emitted[:, -1] is the next `last`
+        for h, t, extra in zip(self.history, self.last, kept):
+            h.append(t)
+            h.extend(extra)

@@ -1,0 +1,147 @@
+"""Acceptance and speed metrics of a drafter on a target (definitions: shared/design.md §3).
+
+`evaluate` decodes every prompt twice in the same call, plain AR and speculative (both
+through decoding/spec.py, batch 1, same dtype/device/max_new_tokens), after a warm-up,
+and returns a JSON-able dict:
+    tau                  tokens per verify forward, bonus included (rounds with drafts)
+    alpha                α_i = P(accept draft i | drafts 1..i-1 accepted), i = 1..k
+    accept_cumulative    P(drafts 1..i all accepted)
+    accept_hist          rounds with 0..k accepted drafts
+    tokens_per_s, ar_tokens_per_s, speedup (= tokens/s ratio; equals the AR/spec wall-time
+                         ratio when both emit the same tokens, e.g. greedy), wall_time_ratio
+    predicted_speedup    τ·T_target(1) / (T_verify(k) + T_draft(k)), measured step costs
+    draft_time_share     share of the speculative wall time spent in the drafter
+    overhead_share       share of round time outside target and drafter calls
+    greedy_match_rate    greedy only: mean fraction of AR tokens reproduced before the first
+                         difference (1.0 = lossless; in bf16, k-row kernels round differently)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from decoding.drafter import Drafter, Sampling
+from decoding.spec import GREEDY, GenerationResult, generate
+from train.target import Target
+
+
+def _as_row(prompt: Tensor) -> Tensor:
+    return prompt.view(1, -1) if prompt.dim() == 1 else prompt
+
+
+def acceptance_stats(results: list[GenerationResult], k: int) -> dict:
+    """τ, α_i, cumulative acceptance and histogram over all rounds that had drafts."""
+    rounds = [(n, d) for r in results for n, d in zip(r.accept_counts, r.draft_lens) if d > 0]
+    hist = [0] * (k + 1)
+    for n, _ in rounds:
+        hist[min(n, k)] += 1
+    alpha, cumulative = [], []
+    for i in range(1, k + 1):
+        offered = [n for n, d in rounds if d >= i]  # rounds where draft i existed
+        reached = [n for n in offered if n >= i - 1]  # ... and drafts 1..i-1 were accepted
+        alpha.append(sum(n >= i for n in reached) / len(reached) if reached else None)
+        cumulative.append(sum(n >= i for n in offered) / len(offered) if offered else None)
+    tau = 1.0 + sum(n for n, _ in rounds) / len(rounds) if rounds else 1.0
+    return {
+        "tau": tau,
+        "alpha": alpha,
+        "accept_cumulative": cumulative,
+        "accept_hist": hist,
+        "verify_rounds": len(rounds),
+    }
+
+
+def greedy_match(ar: list[int], spec: list[int]) -> float:
+    """Length of the common prefix over the longer sequence (1.0 = identical)."""
+    same = 0
+    for a, b in zip(ar, spec):
+        if a != b:
+            break
+        same += 1
+    return same / max(len(ar), len(spec), 1)
+
+
+def evaluate(
+    target: Target,
+    drafter: Drafter,
+    prompts: list[Tensor],  # each [T] or [1, T]
+    *,
+    k: int = 4,
+    sampling: Sampling = GREEDY,
+    max_new_tokens: int = 64,
+    warmup: int = 1,
+    seed: int = 0,
+    adaptive_k: bool = False,
+    eos_token_ids: list[int] | None = None,
+) -> dict:
+    if not prompts:
+        raise ValueError("evaluate needs at least one prompt")
+    device = target.device
+    kw = dict(sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+
+    def gen(seed_offset: int) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(seed + seed_offset)
+
+    for i in range(min(warmup, len(prompts))):  # caches, allocator, kernel choice
+        generate(target, _as_row(prompts[i]), None, generator=gen(i), **kw)
+        generate(
+            target, _as_row(prompts[i]), drafter, k=k, adaptive_k=adaptive_k, generator=gen(i), **kw
+        )
+    ar_runs, spec_runs = [], []
+    for i, prompt in enumerate(prompts):
+        ar_runs.append(generate(target, _as_row(prompt), None, generator=gen(i), **kw))
+        spec_runs.append(
+            generate(
+                target, _as_row(prompt), drafter, k=k, adaptive_k=adaptive_k, generator=gen(i), **kw
+            )
+        )
+
+    stats = acceptance_stats(spec_runs, max(max(r.draft_lens, default=k) for r in spec_runs))
+    ar_time = sum(r.total_s for r in ar_runs)
+    spec_time = sum(r.total_s for r in spec_runs)
+    ar_tokens = sum(r.num_tokens for r in ar_runs)
+    spec_tokens = sum(r.num_tokens for r in spec_runs)
+    ar_tps, spec_tps = ar_tokens / ar_time, spec_tokens / spec_time
+    # Step costs: one AR target step, one verify forward, the drafter per round.
+    ar_rounds = sum(r.rounds for r in ar_runs)
+    spec_rounds = sum(r.rounds for r in spec_runs)
+    t_target_1 = sum(r.verify_s for r in ar_runs) / max(ar_rounds, 1)
+    t_verify = sum(r.verify_s for r in spec_runs) / max(spec_rounds, 1)
+    t_draft = sum(r.draft_s for r in spec_runs) / max(spec_rounds, 1)
+    round_time = sum(r.total_s - r.prefill_s for r in spec_runs)
+    out = {
+        **stats,
+        "k": k,
+        "adaptive_k": adaptive_k,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_new_tokens": max_new_tokens,
+        "num_prompts": len(prompts),
+        "new_tokens": spec_tokens,
+        "ar_new_tokens": ar_tokens,
+        "tokens_per_s": spec_tps,
+        "ar_tokens_per_s": ar_tps,
+        "speedup": spec_tps / ar_tps,
+        "wall_time_ratio": ar_time / spec_time,
+        "predicted_speedup": stats["tau"] * t_target_1 / (t_verify + t_draft),
+        "t_target_step_ms": 1e3 * t_target_1,
+        "t_verify_ms": 1e3 * t_verify,
+        "t_draft_round_ms": 1e3 * t_draft,
+        "draft_time_share": sum(r.draft_s for r in spec_runs) / spec_time,
+        "overhead_share": sum(r.overhead_s for r in spec_runs) / max(round_time, 1e-9),
+        "ar_overhead_share": sum(r.overhead_s for r in ar_runs)
+        / max(sum(r.total_s - r.prefill_s for r in ar_runs), 1e-9),
+        "greedy_match_rate": None,
+        "greedy_exact_match": None,
+        "device": str(device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+    }
+    if sampling.greedy:
+        matches = [greedy_match(a.sequences[0], s.sequences[0]) for a, s in zip(ar_runs, spec_runs)]
+        out["greedy_match_rate"] = sum(matches) / len(matches)
+        out["greedy_exact_match"] = sum(
+            a.sequences == s.sequences for a, s in zip(ar_runs, spec_runs)
+        ) / len(ar_runs)
+    return out

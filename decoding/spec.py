@@ -1,0 +1,356 @@
+"""The shared speculative decoding loop (chain drafts), and plain AR through the same loop.
+
+One round, batch B:
+    propose k drafts -> ONE target forward over [last, d_1..d_k] with the KV cache
+    -> verify (decoding/verify.py) -> keep the common accepted prefix n = min_b n_b
+    -> crop the target cache to drop the k - n rejected positions -> drafter.commit(...).
+With `drafter=None` every round is a 1-token target forward: the fair AR baseline, paying
+the same per-round Python cost as the speculative path.
+
+Batch rows reject at different positions. We keep, for every row, the n common accepted
+drafts plus one more token: the row's correction token if it rejected at n+1, or its
+accepted draft d_{n+1} otherwise. This is lossless: the token a row emits at position i
+is "d_i if accepted else the residual sample", and conditioned on everything decided
+before it, that token is an exact sample of p given its prefix (the draft d_i is drawn
+afresh given the prefix; u_i is fresh). Cutting the round after any token only changes
+where the next round starts, and the next round again samples each token from p given
+its prefix, so by the chain rule the joint distribution of every row is the target's.
+
+Prompts of different lengths are left-padded; pass `attention_mask` [B, T] (1 = real).
+Position ids are counted over real tokens only. Rows that hit EOS stop emitting (their
+slots keep being computed, and ignored) so the batch stays rectangular.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from decoding.drafter import Drafter, Sampling
+from decoding.verify import check_sampling, sample, verify
+from train.target import Target, TargetOutput
+
+if TYPE_CHECKING:
+    from decoding.tree import TreeSpec
+
+GREEDY = Sampling()  # frozen, so a safe default
+StreamFn = Callable[[list[list[int]]], None]  # per-row tokens emitted this round (may be several)
+
+
+@dataclass
+class GenerationResult:
+    sequences: list[list[int]]  # per row: the NEW tokens, EOS included if hit
+    accept_counts: list[int] = field(default_factory=list)  # accepted drafts per verify round
+    draft_lens: list[int] = field(
+        default_factory=list
+    )  # drafts per round (0 = AR step; tree: depth)
+    tree_sizes: list[int] = field(default_factory=list)  # tree rounds: drafted nodes per round
+    rounds: int = 0  # target forwards after the prefill
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # inside drafter.prefill/propose/commit
+    verify_s: float = 0.0  # inside the target's verify forwards
+    total_s: float = 0.0  # whole call, prefill included
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per verify forward, bonus included, over rounds that had drafts."""
+        counted = [n for n, d in zip(self.accept_counts, self.draft_lens) if d > 0]
+        return 1.0 + sum(counted) / len(counted) if counted else 1.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    @property
+    def overhead_s(self) -> float:
+        """Time in the rounds outside target and drafter calls (verify maths, bookkeeping)."""
+        return self.total_s - self.prefill_s - self.draft_s - self.verify_s
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slice_out(out: TargetOutput, n: int) -> TargetOutput:
+    """The verify forward restricted to its first n positions (the kept ones)."""
+    return TargetOutput(
+        logits=None if out.logits is None else out.logits[:, :n],
+        hidden={layer: h[:, :n] for layer, h in out.hidden.items()},
+        cache=out.cache,
+    )
+
+
+def check_inputs(
+    target: Target,
+    input_ids: Tensor,
+    drafter: Drafter | None,
+    k: int,
+    sampling: Sampling,
+    max_new_tokens: int,
+    attention_mask: Tensor | None,
+) -> None:
+    """Every bad input raises a ValueError saying what was wrong, before any decoding."""
+    if k < 1:
+        raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+    check_sampling(sampling)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be [B, T] token ids, got shape {tuple(input_ids.shape)}; "
+            "add a batch dimension with input_ids[None]"
+        )
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"empty prompt (input_ids shape {tuple(input_ids.shape)}): give at least one "
+            "token per row, e.g. the chat template with add_generation_prompt=True"
+        )
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids "
+                f"shape {tuple(input_ids.shape)}"
+            )
+        if (attention_mask.sum(-1) == 0).any():
+            raise ValueError("a row of attention_mask is all zeros: that row's prompt is empty")
+        if (attention_mask[:, -1] == 0).any():
+            raise ValueError(
+                "prompts must be LEFT-padded (the last column of attention_mask must "
+                "be 1); set tokenizer.padding_side = 'left'"
+            )
+    vocab = getattr(drafter, "vocab_size", None)
+    if vocab is not None and vocab != target.vocab_size:
+        raise ValueError(
+            f"the drafter's vocabulary has {vocab} entries but the target's has "
+            f"{target.vocab_size}; a draft must share the target's tokenizer"
+        )
+
+
+@dataclass
+class PrefillState:
+    result: GenerationResult
+    cache: DynamicCache
+    attn: Tensor | None  # [B, T_cache] 2D mask when prompts are padded, else None
+    last: Tensor  # [B] the first new token, not yet in the cache
+    next_pos: Tensor  # [B] position id of `last`
+    first: list[int]  # `last` as a list (already appended to the sequences)
+    finished: list[bool]  # per row: EOS emitted
+    eos: set[int]
+    t_start: float
+
+
+def prefill(
+    target: Target,
+    input_ids: Tensor,  # [B, T]
+    drafter: Drafter | None,
+    sampling: Sampling,
+    attention_mask: Tensor | None,
+    generator: torch.Generator | None,
+    eos_token_ids: list[int] | None,
+) -> PrefillState:
+    """The target's prefill (head at the last position only), the first sampled token and
+    the drafter's prefill; shared by the chain loop and the tree loop (decoding/tree.py)."""
+    device = target.device
+    input_ids = input_ids.to(device)
+    B, T = input_ids.shape
+    padded = attention_mask is not None and bool((attention_mask == 0).any())
+    # Keep the mask only when there is padding: HF's causal-mask fast path is cheaper.
+    attn = attention_mask.to(device).long() if padded else None  # [B, T_cache + pending]
+    if padded:
+        positions = (attn.cumsum(-1) - 1).clamp_min(0)  # [B, T]
+    else:
+        positions = torch.arange(T, device=device).expand(B, T)
+    hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+    result = GenerationResult(sequences=[[] for _ in range(B)])
+
+    _sync(device)
+    t_start = time.perf_counter()
+    # The head only at the last prompt position: a full-prompt head costs ~1.75 ms per token
+    # on SmolLM2, and a 1-row head rounds (bf16) like transformers' own generate.
+    out = target(
+        input_ids,
+        attention_mask=attn,
+        position_ids=positions,
+        hidden_layers=tuple(dict.fromkeys(hidden_layers + (-1,))),
+        logits=False,
+    )
+    out.logits = target.lm_head(out.hidden[-1][:, -1:])  # [B, 1, V]
+    if -1 not in hidden_layers:
+        del out.hidden[-1]
+    last = sample(out.logits[:, -1], sampling, generator)  # [B], not yet in the cache
+    _sync(device)
+    result.prefill_s = time.perf_counter() - t_start
+    if drafter is not None:
+        t0 = time.perf_counter()
+        if padded:
+            drafter.prefill(input_ids, out, attention_mask=attn)
+        else:
+            drafter.prefill(input_ids, out)
+        _sync(device)
+        result.draft_s += time.perf_counter() - t0
+    eos = set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    first = last.tolist()
+    for b in range(B):
+        result.sequences[b].append(first[b])
+    finished = [t in eos for t in first]
+    return PrefillState(
+        result, out.cache, attn, last, positions[:, -1] + 1, first, finished, eos, t_start
+    )
+
+
+def emit(
+    result: GenerationResult, emitted: Tensor, finished: list[bool], eos: set[int]
+) -> list[list[int]]:
+    """Append each unfinished row's emitted tokens [B, n+1] up to its first EOS; returns
+    the tokens each row emitted (for `stream`)."""
+    new: list[list[int]] = [[] for _ in range(len(finished))]
+    for b, row in enumerate(emitted.tolist()):
+        if finished[b]:
+            continue
+        for tok in row:
+            new[b].append(tok)
+            if tok in eos:
+                finished[b] = True
+                break
+        result.sequences[b].extend(new[b])
+    return new
+
+
+@torch.inference_mode()
+def generate(
+    target: Target,
+    input_ids: Tensor,  # [B, T], left-padded if rows differ in length
+    drafter: Drafter | None = None,
+    *,
+    k: int = 4,
+    sampling: Sampling = GREEDY,
+    max_new_tokens: int = 64,
+    attention_mask: Tensor | None = None,  # [B, T], 1 = real token
+    generator: torch.Generator | None = None,
+    stream: StreamFn | None = None,
+    adaptive_k: bool = False,
+    max_k: int | None = None,  # adaptive-k ceiling (default 2k)
+    eos_token_ids: list[int] | None = None,  # default: the target's; [] = never stop early
+    tree: TreeSpec | None = None,  # draft a tree instead of a chain (decoding/tree.py)
+) -> GenerationResult:
+    """Speculative decoding of `input_ids` with `drafter` (None = plain AR decoding).
+
+    tree: a `decoding.tree.TreeSpec` (static paths or an EAGLE-2 dynamic tree); the drafter
+    must then implement `propose_tree`, and `k`/`adaptive_k` are not used.
+
+    adaptive_k: k grows by 2 after a round that accepted every draft and shrinks by 1
+    otherwise (transformers' heuristic schedule), within [1, max_k]."""
+    check_inputs(target, input_ids, drafter, k, sampling, max_new_tokens, attention_mask)
+    device = target.device
+    B = input_ids.shape[0]
+    max_k = max_k or 2 * k
+    if tree is not None and drafter is not None:
+        from decoding.tree import generate_tree  # tree.py builds on this module
+
+        return generate_tree(
+            target,
+            input_ids,
+            drafter,
+            tree,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            attention_mask=attention_mask,
+            generator=generator,
+            stream=stream,
+            eos_token_ids=eos_token_ids,
+        )
+    hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+    state = prefill(target, input_ids, drafter, sampling, attention_mask, generator, eos_token_ids)
+    result, cache, attn, last, next_pos = (
+        state.result,
+        state.cache,
+        state.attn,
+        state.last,
+        state.next_pos,
+    )
+    finished, eos_set = state.finished, state.eos
+    if stream is not None:
+        stream([[t] for t in state.first])
+    generated = 1
+    k_now = k
+
+    while generated < max_new_tokens and not all(finished):
+        k_round = min(k_now, max_new_tokens - generated - 1)  # never draft past the budget
+        # ---- propose -----------------------------------------------------------------
+        proposed = drafter is not None and k_round > 0
+        if proposed:
+            t0 = time.perf_counter()
+            drafts, q = drafter.propose(last, k_round, sampling, generator)  # [B, k'], [B, k', V]
+            _sync(device)
+            result.draft_s += time.perf_counter() - t0
+            k_round = drafts.shape[1]  # a drafter may propose fewer (n-gram with no match)
+            if q is not None:
+                q = q[:, :k_round]
+        else:
+            k_round = 0
+        # ---- one target forward over [last, d_1..d_k] ---------------------------------
+        step_ids = (
+            last[:, None] if k_round == 0 else torch.cat([last[:, None], drafts], 1)
+        )  # [B, k+1]
+        step_pos = next_pos[:, None] + torch.arange(k_round + 1, device=device)  # [B, k+1]
+        if attn is not None:
+            attn = torch.cat([attn, attn.new_ones(B, k_round + 1)], 1)
+        t0 = time.perf_counter()
+        out = target(
+            step_ids,
+            cache=cache,
+            attention_mask=attn,
+            position_ids=step_pos,
+            hidden_layers=hidden_layers,
+        )
+        _sync(device)
+        result.verify_s += time.perf_counter() - t0
+        # ---- verify ------------------------------------------------------------------
+        if k_round == 0:
+            n_common = 0
+            next_tok = sample(out.logits[:, 0], sampling, generator)  # [B]
+        else:
+            res = verify(drafts, q, out.logits, sampling, generator)
+            n_rows = res.num_accepted.tolist()
+            active = [n_rows[b] for b in range(B) if not finished[b]]
+            n_common = min(active)
+            # Row's token after the common prefix: its accepted draft, or its correction.
+            idx = min(n_common, k_round - 1)
+            next_tok = torch.where(res.num_accepted > n_common, drafts[:, idx], res.next_token)
+        emitted = step_ids[:, 1 : n_common + 1]  # [B, n] accepted drafts
+        emitted = torch.cat([emitted, next_tok[:, None]], 1)  # [B, n+1]
+        # ---- roll back the rejected tail -----------------------------------------------
+        drop = k_round - n_common
+        if drop > 0:
+            cache.crop(-drop)
+            if attn is not None:
+                attn = attn[:, :-drop]
+        next_pos = next_pos + n_common + 1
+        last = next_tok
+        result.rounds += 1
+        result.draft_lens.append(k_round)
+        result.accept_counts.append(n_common)
+        if proposed:  # also after an empty proposal, so the drafter sees every kept token
+            t0 = time.perf_counter()
+            drafter.commit(n_common, emitted, _slice_out(out, n_common + 1))
+            _sync(device)
+            result.draft_s += time.perf_counter() - t0
+        del out
+        # ---- emit, stop at EOS / budget ----------------------------------------------------
+        new = emit(result, emitted, finished, eos_set)
+        generated += n_common + 1
+        if stream is not None:
+            stream(new)
+        if adaptive_k and k_round > 0:
+            k_now = min(k_now + 2, max_k) if n_common == k_round else max(1, k_now - 1)
+
+    _sync(device)
+    result.total_s = time.perf_counter() - state.t_start
+    return result

@@ -1,0 +1,421 @@
+"""EAGLE feature heads: EAGLE-1 (Li et al., 2024) and EAGLE-3 (Li et al., 2025) style.
+
+One decoder layer that runs autoregressively in the target's feature space.
+
+Inputs at position t: a feature g_t and the embedding of the NEXT token x_{t+1}:
+  EAGLE-1: g_t = f_t, the target's last hidden state after the final norm (layer -1);
+           concat(g_t, emb(x_{t+1})) -> Linear(2H->H) -> decoder layer -> predicted f_{t+1},
+           logits = frozen target lm_head(f_{t+1}); aux loss = SmoothL1(f_{t+1}^, f_{t+1}).
+  EAGLE-3: g_t = Linear(3H->H)(concat(low, mid, high target layers)); RMSNorm on g and on
+           emb (as EAGLE-3 does) -> concat -> Linear(2H->H) -> decoder layer -> own RMSNorm
+           -> head over the reduced draft vocabulary; token loss only.
+The layer's output h_{t+1} is "the draft's feature at t+1": its logits predict x_{t+2}, i.e.
+the target's distribution at position t+1 -> offset 1 (models/protocol.py).
+
+Training-time test (unroll `ttt_steps` = n): step s = 0..n-1 at anchor t sits at sequence
+position t+s, reads (h^{s-1}_t, emb(x_{t+s+1})) -- the draft's OWN hidden output of the
+previous step at the same anchor, but the ground-truth token (teacher forcing) -- and
+predicts x_{t+s+2}: offset s+1. Its query attends to step-0 keys at positions <= t (those
+were computed from real target features) plus the keys of steps 1..s at the same anchor t.
+That is exactly the draft's KV cache at decode time after t was verified and s tokens were
+drafted, so the training graph and the decoder see the same attention pattern. We build it
+with HF's DynamicCache (keys of all steps concatenated, [B, kv, (s+1)T, D]) and a boolean
+mask [B, 1, T, (s+1)T]: causal block for step 0, identity blocks for steps 1..s.
+
+Reduced vocabulary (EAGLE-3): the draft predicts over the N most frequent trained target
+tokens (`token_counts` from the data, EOS always kept), sorted by target id. Buffers
+`d2t` [N] (offsets: target id = i + d2t[i]) and `t2d` [V] (bool: in the draft vocab) are
+built from the data, saved in `state_dict()` and applied when drafting. A reduced
+vocabulary with no mapping (no `token_counts` and no checkpoint loaded) is refused at
+first use. `vocab_size="full"` keeps the full head.
+
+Frozen pieces: embedding and output head are read from `target` at call time (not trained,
+not in the checkpoint); the reduced head is the target's lm_head rows at the draft ids.
+`train_head=True` gives a trained copy of those rows instead. The decoder layer's config
+copies hidden size, heads, intermediate size, rope settings and max_position_embeddings
+from the target. The drafter lives in models/eagle_drafter.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from models.protocol import DraftOutput
+
+if TYPE_CHECKING:
+    from decoding.drafter import Drafter
+    from train.target import Target, TargetOutput
+
+STYLES = ("eagle1", "eagle3")
+
+
+def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low / middle / high taps spread over depth, as EAGLE-3 (hidden_states indices
+    2, L/2, L-3: outputs of layers 1, L/2-1 and L-4). SmolLM2 (L=30): (2, 15, 27)."""
+    return (min(2, num_layers), max(num_layers // 2, 1), max(num_layers - 3, 1))
+
+
+def build_vocab_map(
+    token_counts: Tensor, size: int, always_keep: list[int] = ()
+) -> tuple[Tensor, Tensor]:
+    """The `size` most frequent target ids (ties -> lower id; `always_keep` forced in, e.g.
+    EOS), sorted by id. Returns d2t [size] long (target id = i + d2t[i]) and t2d [V] bool."""
+    counts = token_counts.detach().flatten().double().cpu()
+    vocab = counts.numel()
+    if not 0 < size <= vocab:
+        raise ValueError(f"draft vocab size must be in 1..{vocab} (target vocab), got {size}")
+    counts[list(always_keep)] = float("inf")
+    keep = torch.argsort(counts, descending=True, stable=True)[:size]
+    target_ids = keep.sort().values  # [size]
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[target_ids] = True
+    return target_ids - torch.arange(size), t2d
+
+
+class EagleDraft(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        intermediate_size: int,
+        target_vocab_size: int,
+        max_position_embeddings: int,
+        rope_parameters: dict,
+        rms_norm_eps: float = 1e-5,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        hidden_layers: tuple[int, ...] = (-1,),
+        style: str = "eagle3",
+        ttt_steps: int = 7,
+        draft_vocab_size: int | None = None,  # None = full target vocabulary
+        feature_loss_weight: float = 0.0,
+        train_head: bool = False,
+    ):
+        super().__init__()
+        if style not in STYLES:
+            raise ValueError(f"EAGLE style must be one of {STYLES}, got {style!r}")
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1 (1 = no training-time test), got {ttt_steps}")
+        if feature_loss_weight > 0 and tuple(hidden_layers) != (-1,):
+            raise ValueError(
+                "feature regression needs the draft to predict the target's last feature: use "
+                f"hidden_layers=[-1] (EAGLE-1), or feature_loss_weight=0 (got {list(hidden_layers)})"
+            )
+        self.style = style
+        self.hidden_layers = tuple(hidden_layers)
+        self.ttt_steps = ttt_steps
+        self.feature_loss_weight = feature_loss_weight
+        self.target_vocab_size = target_vocab_size
+        self.draft_vocab_size = draft_vocab_size or target_vocab_size
+        self.reduced_vocab = self.draft_vocab_size < target_vocab_size
+        self.config = LlamaConfig(
+            hidden_size=hidden_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim or hidden_size // num_heads,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=1,
+            vocab_size=target_vocab_size,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters=dict(rope_parameters),
+            rms_norm_eps=rms_norm_eps,
+            hidden_act=hidden_act,
+        )
+        # SDPA with our own boolean masks (the eager path would add a bool mask as numbers).
+        self.config._attn_implementation = "sdpa"
+        H = hidden_size
+        self.fuse = (
+            nn.Linear(len(self.hidden_layers) * H, H, bias=False)
+            if len(self.hidden_layers) > 1
+            else None
+        )
+        if style == "eagle3":
+            self.feature_norm = LlamaRMSNorm(H, eps=rms_norm_eps)
+            self.embed_norm = LlamaRMSNorm(H, eps=rms_norm_eps)
+            self.norm = LlamaRMSNorm(H, eps=rms_norm_eps)  # before the head (EAGLE-1 has none)
+        self.input_proj = nn.Linear(2 * H, H, bias=style == "eagle1")  # EAGLE-1's fc has a bias
+        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
+        # Kept out of the module tree on purpose: `.to(bfloat16)` would round inv_freq and
+        # shift every rotary angle; the rotary module casts inv_freq per call anyway.
+        self.__dict__["rotary"] = LlamaRotaryEmbedding(self.config)
+        self.lm_head = nn.Linear(H, self.draft_vocab_size, bias=False) if train_head else None
+        self.mapping_ready = not self.reduced_vocab
+        if self.reduced_vocab:
+            d2t, t2d = (
+                torch.zeros(self.draft_vocab_size, dtype=torch.long),
+                torch.zeros(target_vocab_size, dtype=torch.bool),
+            )
+            self.register_buffer("d2t", d2t)
+            self.register_buffer("t2d", t2d)
+            self.register_load_state_dict_post_hook(_check_loaded_mapping)
+        self.vocab_coverage = 1.0  # share of trained label tokens inside the draft vocab
+
+    # -- vocabulary --------------------------------------------------------------
+    def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"d2t/t2d shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not match the draft "
+                f"({tuple(self.d2t.shape)}/{tuple(self.t2d.shape)})"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.check_mapping()
+
+    def check_mapping(self) -> None:
+        """Refuse a reduced vocabulary whose d2t/t2d was never built or loaded, or is inconsistent."""
+        if not self.reduced_vocab:
+            return
+        ids = self.vocab_ids()
+        self.mapping_ready = bool(
+            int(self.t2d.sum()) == self.draft_vocab_size
+            and ids.min() >= 0
+            and ids.max() < self.target_vocab_size
+            and bool(self.t2d[ids].all())
+            and bool((ids[1:] > ids[:-1]).all())
+        )
+        if not self.mapping_ready:
+            raise ValueError(
+                f"EAGLE draft with a reduced vocabulary of {self.draft_vocab_size} tokens has no valid "
+                "d2t/t2d mapping. Build it from the training data (from_target(..., token_counts="
+                "prepared.token_counts)), or load a checkpoint whose state_dict holds d2t/t2d, or "
+                "set draft.model.vocab_size=full."
+            )
+
+    def vocab_ids(self) -> Tensor | None:
+        """Draft id -> target id [V_draft] long (None for the full vocabulary)."""
+        if not self.reduced_vocab:
+            return None
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def target_to_draft(self, target_ids: Tensor) -> Tensor:
+        """Target ids -> draft ids; -1 where a target id is outside the draft vocabulary."""
+        if not self.reduced_vocab:
+            return target_ids
+        draft_ids = self.t2d.long().cumsum(0) - 1  # ids are sorted, so rank = draft id
+        return torch.where(self.t2d[target_ids], draft_ids[target_ids], -1)
+
+    def head_weight(self, target: Target) -> Tensor:
+        """[V_draft, H]: the trained head, or the target's frozen lm_head rows at the draft ids."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        weight = target.lm_head.weight
+        return weight if not self.reduced_vocab else weight[self.vocab_ids().to(weight.device)]
+
+    # -- the blocks shared by training and drafting --------------------------------
+    def fuse_features(self, hidden: dict[int, Tensor]) -> Tensor:
+        """Target hidden layers -> the draft's input feature g [B, T, H]."""
+        missing = [layer for layer in self.hidden_layers if layer not in hidden]
+        if missing:
+            raise ValueError(
+                f"target output lacks hidden layers {missing}; run the target with "
+                f"hidden_layers={self.hidden_layers}"
+            )
+        dtype = self.input_proj.weight.dtype
+        if self.fuse is None:
+            return hidden[self.hidden_layers[0]].to(dtype)
+        # Pre-norm taps carry massive activations (SmolLM2 layers 15/27: RMS ~150, single
+        # entries ~22000), which would swamp the fuse's gradients: RMS-normalise each tap
+        # first (parameter-free; a departure from EAGLE-3, which fuses raw states).
+        feats = [_rms(hidden[layer].float()).to(dtype) for layer in self.hidden_layers]
+        return self.fuse(torch.cat(feats, dim=-1))  # [B, T, H]
+
+    def step(
+        self,
+        feature: Tensor,  # [B, P, H]: fused target feature, or the draft's previous hidden
+        token_embeds: Tensor,  # [B, P, H]: embedding of the token after each position
+        positions: Tensor,  # [P] or [B, P] long
+        cache: DynamicCache,
+        attention_mask: Tensor | None = None,  # [B|1, 1, P, kv] bool, True = attend
+    ) -> Tensor:
+        """One pass of the decoder layer -> the draft's hidden output [B, P, H] (pre-norm)."""
+        token_embeds = token_embeds.to(feature.dtype)
+        if self.style == "eagle3":
+            feature, token_embeds = self.feature_norm(feature), self.embed_norm(token_embeds)
+        x = self.input_proj(torch.cat([feature, token_embeds], dim=-1))  # [B, P, H]
+        rope = self.rotary(x, positions if positions.dim() == 2 else positions[None])  # [B|1, P, D]
+        return self.layer(x, attention_mask=attention_mask, position_embeddings=rope, cache=cache)
+
+    def logits(self, h: Tensor, head_weight: Tensor) -> Tensor:
+        """Draft hidden [B, P, H] -> logits over the draft vocabulary [B, P, V_draft]."""
+        if self.style == "eagle3":
+            h = self.norm(h)
+        return F.linear(h, head_weight.to(h.dtype))
+
+    # -- training ----------------------------------------------------------------------
+    def forward(
+        self,
+        target: Target,
+        input_ids: Tensor,  # [B, T]
+        target_out: TargetOutput,
+        attention_mask: Tensor | None = None,  # [B, T]
+    ) -> DraftOutput:
+        self.check_mapping()
+        B, T = input_ids.shape
+        n = self.ttt_steps
+        device = input_ids.device
+        feature = self.fuse_features(target_out.hidden)  # [B, T, H]
+        head = self.head_weight(target)  # [V_draft, H]
+        # Teacher-forced token after each step's position; beyond T: pad (those logits are
+        # dropped by the loop since t + offset >= T).
+        future = torch.cat([input_ids, input_ids.new_zeros(B, n)], dim=1)  # [B, T+n]
+        with torch.no_grad():
+            embeds = target.embed_tokens(future)  # [B, T+n, H]
+        valid = torch.ones(B, T, dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            valid = attention_mask.bool()
+        mask = ttt_attention_mask(valid, n)  # [B, 1, T, nT]
+        positions = torch.arange(T, device=device)
+        cache = DynamicCache(config=self.config)
+        all_logits, hiddens = [], []
+        for s in range(n):
+            feature = self.step(
+                feature,
+                embeds[:, s + 1 : s + 1 + T],
+                positions + s,
+                cache,
+                mask[..., : (s + 1) * T],
+            )  # [B, T, H]
+            hiddens.append(feature)
+            all_logits.append(self.logits(feature, head))  # [B, T, V_draft]
+        aux, extras = None, {}
+        if self.feature_loss_weight > 0:
+            aux = self.feature_loss(hiddens, target_out.hidden[-1], valid)
+            extras["feature_loss"] = aux.detach()
+            aux = self.feature_loss_weight * aux
+        if self.reduced_vocab:
+            extras["vocab_coverage"] = torch.tensor(self.vocab_coverage)
+        return DraftOutput(
+            logits=all_logits,
+            offsets=list(range(1, n + 1)),
+            aux_loss=aux,
+            vocab_ids=self.vocab_ids(),
+            extras=extras,
+        )
+
+    def feature_loss(self, hiddens: list[Tensor], target_feature: Tensor, valid: Tensor) -> Tensor:
+        """SmoothL1 between step s's hidden at anchor t and the target's f_{t+s+1}, over real
+        positions (EAGLE-1 regresses on every token, prompt included); mean over steps."""
+        T = target_feature.shape[1]
+        losses = []
+        for s, h in enumerate(hiddens):
+            if s + 1 >= T:
+                break
+            err = F.smooth_l1_loss(
+                h[:, : T - s - 1].float(), target_feature[:, s + 1 :].float(), reduction="none"
+            ).mean(-1)  # [B, T-s-1]
+            m = valid[:, s + 1 :].float()
+            losses.append((err * m).sum() / m.sum().clamp_min(1.0))
+        return torch.stack(losses).mean()
+
+    def make_drafter(self, target: Target) -> Drafter:
+        from models.eagle_drafter import EagleDrafter
+
+        return EagleDrafter(self, target)
+
+
+def _rms(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _check_loaded_mapping(module: EagleDraft, incompatible_keys) -> None:
+    if not incompatible_keys.missing_keys:
+        module.check_mapping()
+
+
+def ttt_attention_mask(valid: Tensor, steps: int) -> Tensor:
+    """valid [B, T] bool -> [B, 1, T, steps*T] bool (True = attend) for the unrolled steps.
+    Block 0 (step-0 keys): causal, skipping padding keys (a query always sees itself).
+    Block j >= 1: the key of step j at the same anchor only (identity)."""
+    B, T = valid.shape
+    idx = torch.arange(T, device=valid.device)
+    causal = idx[None, :] <= idx[:, None]  # [T, T]
+    block0 = causal[None] & (
+        valid[:, None, :] | torch.eye(T, dtype=torch.bool, device=valid.device)
+    )
+    eye = torch.eye(T, dtype=torch.bool, device=valid.device).expand(B, T, T)
+    return torch.cat([block0] + [eye] * (steps - 1), dim=-1)[:, None]
+
+
+def from_target(
+    target: Target,
+    token_counts: Tensor | None = None,
+    style: str = "eagle3",
+    layers: list[int] | None = None,
+    ttt_steps: int = 7,
+    vocab_size: int | str = 8192,
+    feature_loss_weight: float = 0.0,
+    train_head: bool = False,
+    intermediate_size: int | None = None,
+) -> EagleDraft:
+    """Build an EAGLE draft sized from `target`. `layers`: target hidden_states indices to
+    read (default: [-1] for EAGLE-1, low/mid/high for EAGLE-3). `vocab_size`: "full" or N
+    (the N most frequent trained tokens; needs `token_counts` or a checkpoint's d2t/t2d)."""
+    cfg = target.config
+    if layers is None:
+        layers = [-1] if style == "eagle1" else list(default_eagle3_layers(target.num_layers))
+    bad = [la for la in layers if not -1 <= la <= target.num_layers]
+    if bad:
+        raise ValueError(
+            f"layers {bad} out of range: the target has hidden_states 0..{target.num_layers} (-1 = last)"
+        )
+    if vocab_size == "full" or (isinstance(vocab_size, int) and vocab_size >= target.vocab_size):
+        draft_vocab = None
+    elif isinstance(vocab_size, int) and vocab_size > 0:
+        draft_vocab = vocab_size
+    else:
+        raise ValueError(f"vocab_size must be 'full' or a positive int, got {vocab_size!r}")
+    rope = target.rope_kwargs()
+    rope_parameters = rope.get("rope_parameters") or {
+        "rope_type": "default",
+        "rope_theta": rope.get("rope_theta", 10000.0),
+    }
+    draft = EagleDraft(
+        hidden_size=target.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        intermediate_size=intermediate_size or cfg.intermediate_size,
+        target_vocab_size=target.vocab_size,
+        max_position_embeddings=rope["max_position_embeddings"],
+        rope_parameters=rope_parameters,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-5),
+        head_dim=getattr(cfg, "head_dim", None),
+        hidden_act=getattr(cfg, "hidden_act", "silu"),
+        hidden_layers=tuple(layers),
+        style=style,
+        ttt_steps=ttt_steps,
+        draft_vocab_size=draft_vocab,
+        feature_loss_weight=feature_loss_weight,
+        train_head=train_head,
+    )
+    if draft.reduced_vocab and token_counts is not None:
+        if token_counts.numel() != target.vocab_size:
+            raise ValueError(
+                f"token_counts has {token_counts.numel()} entries, the target vocab {target.vocab_size}"
+            )
+        d2t, t2d = build_vocab_map(token_counts, draft_vocab, target.eos_token_ids)
+        draft.set_vocab_map(d2t, t2d)
+        counts = token_counts.double().cpu()
+        draft.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1.0))
+    with torch.no_grad():  # start from the target's own output geometry
+        if style == "eagle3":
+            draft.norm.weight.copy_(target.final_norm.weight)
+        if draft.lm_head is not None:
+            draft.lm_head.weight.copy_(_target_rows(draft, target))
+    return draft.to(device=target.device)
+
+
+def _target_rows(draft: EagleDraft, target: Target) -> Tensor:
+    weight = target.lm_head.weight.detach()
+    ids = draft.vocab_ids()
+    return weight if ids is None else weight[ids.to(weight.device)]

@@ -1,0 +1,144 @@
+"""The EAGLE drafter for the shared decoder: autoregressive in feature space, own KV cache.
+
+State between calls (positions are the target's positions; the draft cache holds one entry
+per position whose real target feature and next token are both known):
+  pending_feature [B, P, H]  fused target features not yet run through the draft layer
+  pending_tokens  [B, P-1]   the tokens after each of them except the last, which is the
+                             `last_tokens` the decoder passes to `propose`.
+After prefill: P = prompt length. After commit: P = n+1 (the verified positions
+[last, d_1..d_n], whose next tokens are `emitted` = [d_1..d_n, c]; c comes back as
+`last_tokens`).
+
+propose(k): one layer pass over the P pending positions (causal, appended to the cache) ->
+hidden at the newest position -> draft token 1; then k-1 single-position passes feeding the
+draft's own hidden and the drafted token (exactly the training-time-test pattern). The
+cache then holds k-1 speculative entries; commit crops them and the next propose replaces
+them with entries computed from the target's real features.
+
+Reduced vocabulary: the head is the [V_draft, H] slice gathered once here, so a step never
+touches the target's full output head; draft ids map to target ids through d2t, and q is
+scattered into the full vocabulary (zeros outside the draft vocabulary).
+Left-padded batches (decoding/spec.py passes `attention_mask` to prefill): row b's first
+pad[b] cache entries are padding; its position ids are counted over real tokens, and pad
+keys are masked out (a pad query still sees itself, so softmax never sees an empty row).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from decoding.drafter import Sampling
+from decoding.verify import sampling_probs
+
+if TYPE_CHECKING:
+    from models.eagle import EagleDraft
+    from train.target import Target, TargetOutput
+
+
+class EagleDrafter:
+    def __init__(self, model: EagleDraft, target: Target):
+        model.check_mapping()  # refuse a reduced vocabulary without d2t/t2d
+        self.model = model.eval()
+        self.hidden_layers = model.hidden_layers
+        self.embed = target.embed_tokens
+        self.target_vocab_size = target.vocab_size
+        with torch.no_grad():
+            head = model.head_weight(target).detach()  # [V_draft, H], gathered once
+            self.head = head.to(model.input_proj.weight.dtype)
+        self.vocab_ids = model.vocab_ids()  # [V_draft] draft id -> target id, None if full
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(self.head.device)
+        self.cache: DynamicCache | None = None
+        self.pending_feature: Tensor | None = None
+        self.pending_tokens: Tensor | None = None
+        self.kept_len = 0  # cache length holding only real-feature positions
+
+        self.pad: Tensor | None = None  # [B] left-padding per row, None = no padding
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
+    ) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.pending_feature = self.model.fuse_features(target_out.hidden)  # [B, T, H]
+        self.pending_tokens = input_ids[:, 1:]  # [B, T-1]
+        self.kept_len = 0
+        self.pad = None
+        if attention_mask is not None and bool((attention_mask == 0).any()):
+            self.pad = (attention_mask == 0).long().sum(-1)  # [B]
+
+    def _run(self, feature: Tensor, tokens: Tensor, start: int) -> Tensor:
+        """The layer over P new positions start..start+P-1 of the cache -> hidden [B, P, H]."""
+        P = tokens.shape[1]
+        device = tokens.device
+        slots = torch.arange(start, start + P, device=device)  # cache indices of the new positions
+        keys = torch.arange(start + P, device=device)
+        mask = None
+        if P > 1:  # bottom-right causal over [cache, new]
+            mask = (keys[None, :] <= slots[:, None])[None, None]  # [1, 1, P, start+P]
+        positions = slots
+        if self.pad is not None:
+            positions = (slots[None, :] - self.pad[:, None]).clamp_min(0)  # [B, P]
+            real_key = keys[None, :] >= self.pad[:, None]  # [B, start+P]
+            own = keys[None, :] == slots[:, None]  # [P, start+P]
+            causal = keys[None, :] <= slots[:, None]  # [P, start+P]
+            mask = (causal[None] & (real_key[:, None, :] | own[None]))[
+                :, None
+            ]  # [B, 1, P, start+P]
+        return self.model.step(feature, self.embed(tokens), positions, self.cache, mask)
+
+    @torch.no_grad()
+    def propose(
+        self, last_tokens: Tensor, k: int, sampling: Sampling, generator=None
+    ) -> tuple[Tensor, Tensor | None]:
+        if self.pending_feature is None:
+            raise RuntimeError(
+                "EagleDrafter.propose called twice without commit (or before prefill)"
+            )
+        tokens = torch.cat([self.pending_tokens, last_tokens[:, None]], dim=1)  # [B, P]
+        B, P = tokens.shape
+        start = self.cache.get_seq_length()
+        # The draft's feature for the position after last_tokens:
+        h = self._run(self.pending_feature, tokens, start)[:, -1:]  # [B, 1, H]
+        self.kept_len = start + P
+        self.pending_feature = self.pending_tokens = None
+        draft_tokens, draft_q = [], []
+        for i in range(k):
+            logits = self.model.logits(h, self.head)[:, 0]  # [B, V_draft]
+            if sampling.greedy:
+                choice = logits.argmax(-1)  # [B]
+            else:
+                q = sampling_probs(logits, sampling)  # [B, V_draft] float32
+                choice = torch.multinomial(q, 1, generator=generator)[:, 0]
+                draft_q.append(q)
+            token = choice if self.vocab_ids is None else self.vocab_ids[choice]  # target ids [B]
+            draft_tokens.append(token)
+            if i < k - 1:
+                h = self._run(h, token[:, None], self.kept_len + i)  # [B, 1, H]
+        drafted = torch.stack(draft_tokens, dim=1)  # [B, k]
+        if sampling.greedy:
+            return drafted, None
+        q_draft = torch.stack(draft_q, dim=1)  # [B, k, V_draft]
+        if self.vocab_ids is None:
+            return drafted, q_draft
+        q_full = q_draft.new_zeros(B, k, self.target_vocab_size)  # [B, k, V]
+        q_full[..., self.vocab_ids] = q_draft
+        return drafted, q_full
+
+    @torch.no_grad()
+    def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
+        # Drop the k-1 speculative entries; the accepted drafts' entries are recomputed from
+        # the target's real features at the next propose.
+        self.cache.crop(self.kept_len - self.cache.get_seq_length())
+        feature = self.model.fuse_features(target_out.hidden)  # [B, n+1, H]
+        if feature.shape[1] != emitted.shape[1] or emitted.shape[1] != num_accepted + 1:
+            raise ValueError(
+                f"commit: expected target_out over the n+1={num_accepted + 1} kept positions and "
+                f"emitted [B, n+1]; got {feature.shape[1]} positions and emitted {tuple(emitted.shape)}"
+            )
+        self.pending_feature = feature
+        self.pending_tokens = emitted[:, :-1]

@@ -1,0 +1,323 @@
+"""Data pipeline: assistant-only masks on real templates, held-out eval prompts,
+target-regenerated answers (equal to the target's greedy output), resumable cache,
+local ShareGPT/OpenAI sources, clear errors."""
+
+import inspect
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from train.corpus import embedded_conversations, held_out, parse_speeches
+from train.data import collate, prepare_data, shift_mask, tokenize_conversation
+from train.regenerate import regenerate
+
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Say hello."},
+    {"role": "assistant", "content": "Hello there!"},
+    {"role": "user", "content": "Now say bye."},
+    {"role": "assistant", "content": "Bye."},
+]
+
+
+def trained_text(tokenizer, ids: list[int], loss_mask: list[int]) -> str:
+    """The tokens position t is trained to predict: input_ids[t+1] where loss_mask[t]."""
+    return tokenizer.decode([ids[t + 1] for t in range(len(ids) - 1) if loss_mask[t]])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from train.target import build_tiny_random
+
+    return build_tiny_random(seed=0, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from train.target import DEFAULT_CACHE_DIR, smollm2_gguf_path
+
+    converted = DEFAULT_CACHE_DIR / "smollm2-135m-instruct"
+    if (converted / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(converted))  # <1 s
+    gguf = smollm2_gguf_path()  # first use on a fresh machine: read it from the GGUF
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="module")
+def tiny_embedded(tiny, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("regen")
+    return prepare_data(
+        tiny,
+        num_train=24,
+        num_eval=6,
+        max_new_tokens=8,
+        max_len=512,
+        regen_dtype="float32",
+        stdlib_files=20,
+        cache_dir=str(cache),
+        progress=False,
+    )
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# -- masks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["tiny_chatml", "smollm2"])
+def test_mask_covers_exactly_the_assistant_turns(which, tiny, smollm2_tokenizer):
+    tok = tiny.tokenizer if which == "tiny_chatml" else smollm2_tokenizer
+    ids, flags = tokenize_conversation(tok, CONV)
+    # Same tokens as the template's own tokenization; nothing but assistant content + EOS.
+    assert ids == list(tok.apply_chat_template(CONV, tokenize=True, return_dict=False))
+    mask = shift_mask(flags)
+    assert trained_text(tok, ids, mask) == "Hello there!<|im_end|>Bye.<|im_end|>"
+    # loss_mask[t] trains the logits at t: the first trained position is the last token
+    # of the generation prompt ("assistant\n"), predicting the answer's first token.
+    first = mask.index(1)
+    assert tok.decode(ids[: first + 1]).endswith("<|im_start|>assistant\n")
+    assert tok.decode([ids[first + 1]]).startswith("H")
+    assert mask[-1] == 0 and sum(mask) == sum(flags)
+    if which == "smollm2":  # its template injects a default system prompt only without one
+        solo = tok.apply_chat_template(CONV[1:3], tokenize=False)
+        assert "You are a helpful AI assistant named SmolLM" in solo
+        ids, flags = tokenize_conversation(tok, CONV[1:3])
+        assert trained_text(tok, ids, shift_mask(flags)) == "Hello there!<|im_end|>"
+
+
+def test_parse_speeches_keeps_speakers_and_drops_stage_directions():
+    play = (
+        "# Hamlet\n\n## ACT I\n\n### SCENE II. A room of state.\n\n_Enter KING_\n\n"
+        "**KING CLAUDIUS**  \nThough yet of Hamlet our dear brother's death  \n"
+        "_\\[Aside]_  \nThe memory be green,--\n\n**HAMLET**  \nA little more than kin.\n"
+    )
+    assert parse_speeches(play) == [
+        {
+            "title": "Hamlet",
+            "act": "Act I",
+            "scene": "Scene II",
+            "speaker": "King Claudius",
+            "lines": ["Though yet of Hamlet our dear brother's death", "The memory be green,--"],
+        },
+        {
+            "title": "Hamlet",
+            "act": "Act I",
+            "scene": "Scene II",
+            "speaker": "Hamlet",
+            "lines": ["A little more than kin."],
+        },
+    ]
+
+
+# -- the embedded corpus --------------------------------------------------------------
+
+
+def test_eval_prompts_are_held_out_by_source_item(tiny, tiny_embedded):
+    data, tok = tiny_embedded, tiny.tokenizer
+    train_groups, eval_groups = set(data.train["group"]), {p["group"] for p in data.eval_prompts}
+    assert train_groups and eval_groups and not train_groups & eval_groups
+    assert all(held_out(g, seed=0) for g in eval_groups)
+    assert not any(held_out(g, seed=0) for g in train_groups)
+    assert [p["category"] for p in data.eval_prompts] == ["code"] * 2 + ["prose"] * 2 + ["qa"] * 2
+    assert sorted(set(data.train["category"])) == ["code", "prose", "qa"]
+    train_text = "\n".join(tok.decode(ids) for ids in data.train["input_ids"])
+    for p in data.eval_prompts:
+        assert p["messages"][-1]["content"] not in train_text
+        assert p["input_ids"] == list(
+            tok.apply_chat_template(p["messages"], add_generation_prompt=True, return_dict=False)
+        )
+
+
+def test_embedded_split_is_deterministic():
+    kw = {"seed": 3, "need_reference": False, "stdlib_files": 10}
+    a_train, a_eval, _ = embedded_conversations(12, 6, fits=lambda m: True, **kw)
+    b_train, b_eval, _ = embedded_conversations(12, 6, fits=lambda m: True, **kw)
+    assert a_eval == b_eval and a_train == b_train
+    assert len({c["unit"] for c in a_train + a_eval}) == 18  # each source unit used once
+
+
+def test_token_counts_and_lengths(tiny, tiny_embedded):
+    data = tiny_embedded
+    counts = torch.zeros(tiny.vocab_size, dtype=torch.long)
+    for ids, mask in zip(data.train["input_ids"], data.train["loss_mask"], strict=True):
+        assert len(ids) == len(mask) <= 512 and mask[-1] == 0
+        assert mask.index(1) + 1 <= 256  # prompts over max_len/2 were never drawn
+        counts += torch.bincount(
+            torch.tensor([ids[t + 1] for t in range(len(ids) - 1) if mask[t]]),
+            minlength=tiny.vocab_size,
+        )
+    assert torch.equal(counts, data.token_counts)
+    assert (
+        int(counts.sum()) == sum(map(sum, data.train["loss_mask"])) == data.stats["trained_tokens"]
+    )
+    assert data.stats["train_rows"] == len(data.train) == 24
+
+
+# -- regeneration -------------------------------------------------------------------
+
+
+def greedy(target, prompt: list[int], n: int) -> list[int]:
+    """Reference: plain argmax decoding through the Target wrapper, no cache, no batch."""
+    ids = list(prompt)
+    for _ in range(n):
+        nxt = int(target(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())
+        ids.append(nxt)
+        if nxt in target.eos_token_ids:
+            break
+    return ids[len(prompt) :]
+
+
+def test_regenerated_answers_are_the_targets_greedy_output(tiny, tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"}]}
+        for q in ("Hi", "What is 2+2?", "Name a colour, please.")
+    ]
+    src = write_rows(tmp_path / "chats.jsonl", rows)
+    data = prepare_data(
+        tiny,
+        source=str(src),
+        num_eval=0,
+        max_new_tokens=12,
+        max_len=256,
+        regen_dtype="float32",
+        regen_batch_size=3,
+        cache_dir=str(tmp_path),
+        progress=False,
+    )
+    assert data.stats["regen"]["generated"] == 3
+    for ids, mask in zip(data.train["input_ids"], data.train["loss_mask"], strict=True):
+        start = mask.index(1) + 1  # first answer token
+        assert tiny.tokenizer.decode(ids[:start]).endswith("<|im_start|>assistant\n")
+        assert ids[start:] == greedy(tiny, ids[:start], 12)
+        assert sum(mask) == len(ids) - start  # every answer token trained, prompt not
+
+
+def test_regeneration_cache_resumes_and_is_keyed_by_settings(tiny, tmp_path):
+    tok = tiny.tokenizer
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for q in ("a", "bb", "ccc")
+    ]
+    kw = {
+        "max_new_tokens": 5,
+        "dtype": "float32",
+        "batch_size": 2,
+        "cache_dir": tmp_path,
+        "progress": False,
+    }
+    first, s1 = regenerate(tiny, prompts[:2], **kw)
+    assert (s1["cached"], s1["generated"]) == (0, 2)
+    with open(s1["cache"], "a") as f:
+        f.write('{"prompt": "cut short by a cra')  # a crash mid-write
+    again, s2 = regenerate(tiny, prompts, **kw)
+    assert (s2["cached"], s2["generated"]) == (2, 1)
+    assert again[:2] == first
+    assert regenerate(tiny, prompts, **kw)[1]["generated"] == 0
+    other = regenerate(tiny, prompts[:1], **{**kw, "max_new_tokens": 3})[1]
+    assert other["generated"] == 1 and other["cache"] != s1["cache"]
+    for r in again:
+        assert len(r["ids"]) <= 5 and r["finished"] == (r["ids"][-1] in tiny.eos_token_ids)
+
+
+# -- local sources ------------------------------------------------------------------
+
+
+def sharegpt(i: int, answer: str | None) -> dict:
+    turns = [{"from": "human", "value": f"question {i}?"}]
+    return {"conversations": turns + ([{"from": "gpt", "value": answer}] if answer else [])}
+
+
+def openai(i: int, answer: str | None) -> dict:
+    turns = [{"role": "user", "content": f"question {i}?"}]
+    return {"messages": turns + ([{"role": "assistant", "content": answer}] if answer else [])}
+
+
+@pytest.mark.parametrize(("form", "where"), [(sharegpt, "dir/part.parquet"), (openai, "f.jsonl")])
+def test_local_sources_train_on_their_answers(tiny, tmp_path, form, where):
+    answers = ["alpha", "beta", "gamma", "delta", None]  # the last row has no assistant turn
+    path = write_rows(tmp_path / where, [form(i, a) for i, a in enumerate(answers)])
+    source = str(path.parent) if where.startswith("dir/") else str(path)  # dir: load_dataset(dir)
+    data = prepare_data(tiny, source=source, num_eval=0, regenerate=False, progress=False)
+    assert data.stats["source_rows"] == 5 and data.stats["skipped_no_assistant"] == 1
+    got = {trained_text(tiny.tokenizer, r["input_ids"], r["loss_mask"]) for r in data.train}
+    assert got == {f"{a}<|im_end|>" for a in answers if a}
+    assert set(data.train["category"]) == {"qa"}  # guessed: the prompts are questions
+
+
+def test_local_eval_rows_never_enter_training(tiny, tmp_path):
+    path = write_rows(
+        tmp_path / "c.jsonl", [openai(i, f"answer {i}") for i in range(8)] + [openai(99, "dup")] * 2
+    )  # a duplicated row must not straddle the split
+    data = prepare_data(tiny, source=str(path), num_eval=3, regenerate=False, progress=False)
+    assert len(data.eval_prompts) == 3 and len(data.train) == 6
+    assert data.stats["dropped_eval_duplicates"] == 1  # seed 0 draws the duplicated row
+    eval_q = {p["messages"][-1]["content"] for p in data.eval_prompts}
+    train_text = "\n".join(tiny.tokenizer.decode(ids) for ids in data.train["input_ids"])
+    assert not any(q in train_text for q in eval_q)
+
+
+def test_truncation_to_max_len(tiny, tmp_path):
+    path = write_rows(tmp_path / "long.jsonl", [openai(0, "z" * 300), openai(1, "short")])
+    data = prepare_data(
+        tiny, source=str(path), num_eval=0, regenerate=False, max_len=64, progress=False
+    )
+    assert max(map(len, data.train["input_ids"])) == 64 and data.stats["truncated"] == 1
+
+
+def test_bad_sources_fail_clearly(tiny, tmp_path):
+    empty = write_rows(tmp_path / "empty.jsonl", [openai(i, None) for i in range(3)])
+    with pytest.raises(ValueError, match=r"empty\.jsonl.*no training rows"):
+        prepare_data(tiny, source=str(empty), num_eval=0, regenerate=False, progress=False)
+    odd = write_rows(tmp_path / "odd.jsonl", [{"prompt": "hi", "completion": "yo"}])
+    with pytest.raises(ValueError, match="`messages` column.*`conversations` column"):
+        prepare_data(tiny, source=str(odd), regenerate=False, progress=False)
+    with pytest.raises(FileNotFoundError, match="someone/no-such-chats.*could not be loaded"):
+        prepare_data(tiny, source="someone/no-such-chats", progress=False)  # offline in tests
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        prepare_data(tiny, source=str(tmp_path / "nope.jsonl"), progress=False)
+
+
+# -- plumbing -----------------------------------------------------------------------
+
+
+def test_collate_right_pads():
+    batch = collate(
+        [
+            {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 0]},
+            {"input_ids": [1, 2, 3, 4, 5], "loss_mask": [1, 1, 1, 1, 0]},
+        ],
+        pad_token_id=0,
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0], [1, 2, 3, 4, 5]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
+
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "data").glob("*.yaml")))
+def test_data_configs_are_prepare_data_arguments(name):
+    from hydra import compose, initialize_config_dir
+
+    conf = CONF
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose(config_name=None, overrides=[f"+data={name}"])
+    params = set(inspect.signature(prepare_data).parameters) - {"target"}
+    assert set(cfg.data) <= params, set(cfg.data) - params

@@ -1,0 +1,214 @@
+"""The training loop on the tiny random target: runs, logs, checkpoints, evaluates, fails early."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import train.losses
+from train.checkpoint import list_checkpoints, load_checkpoint, load_draft
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def compose_debug(run_dir: Path, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(
+            "train",
+            overrides=["+experiment=debug", f"run_dir={run_dir}", *overrides],
+        )
+
+
+def _lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_debug_run_trains_checkpoints_evaluates(tmp_path):
+    from train.loop import run
+
+    run_dir = tmp_path / "run"
+    summary = run(compose_debug(run_dir, "train.steps=6", "train.ckpt_every=3"))
+    lines = _lines(run_dir)
+    train_lines = [x for x in lines if x["kind"] == "train"]
+    evals = [x for x in lines if x["kind"] == "eval"]
+    assert [x["step"] for x in train_lines] == [1, 2, 3, 4, 5, 6]
+    assert [x["step"] for x in evals] == [3, 6]  # evaluation after each checkpoint
+    assert train_lines[-1]["loss"] < 0.8 * train_lines[0]["loss"]  # it learns
+    assert train_lines[-1]["alpha"][0] > train_lines[0]["alpha"][0]
+    for rec in train_lines:
+        assert 0.0 <= rec["alpha"][0] <= 1.0 and rec["sim_tau"] >= 1.0
+        assert rec["tokens_per_s"] > 0 and 0 < rec["target_time_share"] < 1
+    for e in evals:
+        assert 1.0 <= e["tau"] <= 5.0 and "greedy/proxy_error" in e
+        assert e["greedy/proxy_tau"] - e["greedy/tau"] == pytest.approx(e["greedy/proxy_error"])
+    assert (run_dir / "config.yaml").is_file()
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["tau_curve"] == [[3, evals[0]["tau"]], [6, evals[1]["tau"]]]
+    assert summary["last_checkpoint"].endswith("step_00000006")
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003", "step_00000006"]
+
+    # Reload = instantiate + strict load; the weights are the saved ones.
+    target = __import__("train.target", fromlist=["x"]).build_tiny_random(
+        vocab_size=128, device="cpu"
+    )
+    draft = load_draft(run_dir / "checkpoints" / "step_00000006", target)
+    state, _, trainer_state = load_checkpoint(run_dir / "checkpoints" / "step_00000006")
+    for name, value in draft.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0)
+    assert trainer_state["step"] == 6 and trainer_state["rows_consumed"] == 6 * 4
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    from train.loop import run
+
+    run(
+        compose_debug(
+            tmp_path,
+            "train.steps=4",
+            "train.ckpt_every=1",
+            "train.keep_last=2",
+            "train.eval_at_ckpt=false",
+        )
+    )
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    from train.loop import TrainingDiverged, run
+
+    calls = {"n": 0}
+    real_kl = train.losses.LOSSES["kl"]
+
+    def kl_nan_at_third_step(*args, **kwargs):
+        calls["n"] += 1
+        value = real_kl(*args, **kwargs)
+        return value * float("nan") if calls["n"] == 3 else value
+
+    monkeypatch.setitem(train.losses.LOSSES, "kl", kl_nan_at_third_step)
+    cfg = compose_debug(tmp_path, "train.steps=6", "train.ckpt_every=2", "train.eval_at_ckpt=false")
+    with pytest.raises(TrainingDiverged, match="at step 3.*step_00000002 is kept"):
+        run(cfg)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+    state, _, trainer_state = load_checkpoint(tmp_path / "checkpoints" / "step_00000002")
+    assert trainer_state["step"] == 2 and all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_resume_without_checkpoint_fails_before_training(tmp_path):
+    from train.loop import run
+
+    with pytest.raises(FileNotFoundError, match="resume=true but .* holds no checkpoint"):
+        run(compose_debug(tmp_path, "resume=true"))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_existing_checkpoints_need_resume_or_overwrite(tmp_path):
+    from train.loop import run
+
+    cfg = compose_debug(tmp_path, "train.eval_at_ckpt=false")
+    run(cfg)
+    with pytest.raises(FileExistsError, match="resume=true .* overwrite=true"):
+        run(cfg)
+    summary = run(compose_debug(tmp_path, "train.eval_at_ckpt=false", "overwrite=true"))
+    assert summary["resumed_from"] is None
+    assert [x["step"] for x in _lines(tmp_path)] == [1, 2]  # old metrics were replaced
+
+
+def test_draft_with_other_vocabulary_fails_before_training(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from train.loop import run
+
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+        )
+    )
+    other.save_pretrained(tmp_path / "other")
+    cfg = compose_debug(tmp_path / "run", f"draft.model.init_from={tmp_path / 'other'}")
+    with pytest.raises(ValueError, match="vocabulary of 100 tokens but the target .* has 128"):
+        run(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_preflight_rejects_wrong_vocab_size(tiny_target):
+    from models.protocol import DraftOutput
+    from train.loop import _preflight
+
+    class WrongVocab(torch.nn.Module):
+        hidden_layers = ()
+
+        def forward(self, target, input_ids, target_out, attention_mask=None):
+            return DraftOutput(logits=[torch.zeros(*input_ids.shape, 50)], offsets=[0])
+
+    with pytest.raises(
+        ValueError, match="predicts 50 tokens per position but the target's vocabulary"
+    ):
+        _preflight(WrongVocab(), tiny_target, torch.arange(8))
+
+
+def test_ce_data_labels_align_with_target_argmax(tmp_path):
+    """The tiny data is the target's own fp32 greedy output, so at every trained position
+    the data label x_{t+1} IS the target's argmax at t: both CE variants agree exactly.
+    An off-by-one in the label shift breaks this."""
+    from train.data import collate, prepare_data
+    from train.loop import _offset_losses
+    from train.target import build_tiny_random
+
+    target = build_tiny_random(vocab_size=128, device="cpu")
+    cfg = compose_debug(tmp_path, "loss=ce", "loss.labels=data")
+    prepared = prepare_data(target, **{**cfg.data, "num_train": 6})
+    batch = collate([prepared.train[i] for i in range(4)], target.tokenizer.pad_token_id)
+    from models.draft_lm import from_target
+
+    draft = from_target(target, init="random", num_layers=1)
+    t_out = target(batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    out = draft(target, batch["input_ids"], t_out, batch["attention_mask"])
+    count = batch["loss_mask"].sum().float()[None]
+    losses = {}
+    for labels in ("data", "target"):
+        c = compose_debug(tmp_path, "loss=ce", f"loss.labels={labels}")
+        stats = torch.zeros(5)
+        losses[labels] = _offset_losses(
+            out, t_out.logits, batch, [0], count, train.losses.cross_entropy, 1.0, c, stats
+        ).item()
+    assert losses["data"] == pytest.approx(losses["target"], rel=1e-6)
+    assert losses["data"] > 1.0  # a random draft: a real loss, not a vacuous 0
+
+
+def test_draft_lm_copies_target_and_decodes_losslessly(tiny_target):
+    from decoding.drafters import DraftLMDrafter
+    from decoding.spec import generate
+    from models.draft_lm import from_target
+
+    draft = from_target(tiny_target, num_layers=1, init="target")
+    lm = draft.causal_lm()
+    assert torch.equal(lm.get_input_embeddings().weight, tiny_target.embed_tokens.weight)
+    assert not lm.get_input_embeddings().weight.requires_grad
+    assert lm.config.max_position_embeddings == tiny_target.config.max_position_embeddings
+    assert lm.config.rope_parameters == tiny_target.config.rope_parameters
+    drafter = draft.make_drafter(tiny_target)
+    assert isinstance(drafter, DraftLMDrafter)
+    prompt = torch.tensor([[1, 4, 40, 50, 60, 70, 5, 6]])
+    ar = generate(tiny_target, prompt, None, max_new_tokens=12)
+    spec = generate(tiny_target, prompt, drafter, k=3, max_new_tokens=12)
+    assert spec.sequences == ar.sequences
+
+
+def test_draft_lm_lora_on_pretrained(tmp_path, tiny_target):
+    from models.draft_lm import from_target
+
+    base = from_target(tiny_target, num_layers=1, init="random").causal_lm()
+    base.save_pretrained(tmp_path / "pre")
+    draft = from_target(tiny_target, init_from=str(tmp_path / "pre"), lora_rank=4)
+    trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    with pytest.raises(ValueError, match="lora_rank > 0 needs a pretrained draft"):
+        from_target(tiny_target, lora_rank=4)

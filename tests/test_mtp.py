@@ -1,0 +1,308 @@
+"""MTP heads (models/mtp.py) on the tiny random target: alignment, causality, training, drafting."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decoding.drafter import Sampling
+from decoding.spec import generate
+from decoding.verify import sampling_probs
+from models.mtp import MTP, from_target
+from models.protocol import DraftModel
+from train.target import build_tiny_random
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_tiny_random(seed=0, device="cpu")
+
+
+def make_mtp(target, num_depths=2, seed=0, **kw) -> MTP:
+    torch.manual_seed(seed)
+    return from_target(target, num_depths=num_depths, **kw)
+
+
+def loop_loss(target, model, input_ids, decay=0.8):
+    """The training loop's objective: forward KL per offset, weights decay**i (see the brief)."""
+    out = target(input_ids, hidden_layers=model.hidden_layers)
+    draft = model(target, input_ids, out)
+    T = input_ids.shape[1]
+    total = 0.0
+    for i, (logits, off) in enumerate(zip(draft.logits, draft.offsets)):
+        q = logits[:, : T - off].log_softmax(-1)
+        p = out.logits[:, off:].log_softmax(-1)
+        total = total + decay**i * F.kl_div(q, p, log_target=True, reduction="none").sum(-1).mean()
+    return total
+
+
+def test_contract_offsets_shapes_and_state_dict(target):
+    model = make_mtp(target, num_depths=3)
+    assert isinstance(model, DraftModel)
+    ids = torch.randint(3, 128, (2, 9))
+    out = model(target, ids, target(ids, hidden_layers=model.hidden_layers))
+    assert out.offsets == [1, 2, 3]
+    assert [tuple(x.shape) for x in out.logits] == [(2, 9, 128)] * 3
+    for d, logits in enumerate(out.logits, start=1):  # positions t >= T-d have no x_{t+d}
+        assert torch.equal(logits[:, 9 - d :], torch.zeros_like(logits[:, 9 - d :]))
+        assert logits[:, : 9 - d].abs().amax(-1).amin() > 0  # every real position predicts
+    keys = list(model.state_dict())
+    assert not any("embed_tokens" in k or "lm_head" in k for k in keys)  # frozen: in the target
+    reloaded = make_mtp(target, num_depths=3, seed=1)
+    reloaded.load_state_dict(model.state_dict(), strict=True)
+    again = reloaded(target, ids, target(ids, hidden_layers=(-1,)))
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, again.logits))
+
+
+@pytest.mark.parametrize("changed", [4, 7])
+def test_depth_d_at_t_sees_exactly_tokens_up_to_t_plus_d(target, changed):
+    """Causality and the off-by-one in one: changing x_j must leave depth d's logits at
+    t < j-d untouched (no peeking at x_{t+d+1}, the token it predicts) and change them at
+    t = j-d (module d reads x_{t+d} itself, not x_{t+d-1})."""
+    model = make_mtp(target, num_depths=3)
+    ids = torch.randint(3, 128, (1, 12))
+    ids2 = ids.clone()
+    ids2[0, changed] = (ids[0, changed] + 5) % 128
+    out1 = model(target, ids, target(ids, hidden_layers=(-1,)))
+    out2 = model(target, ids2, target(ids2, hidden_layers=(-1,)))
+    for d, (a, b) in enumerate(zip(out1.logits, out2.logits), start=1):
+        diff = (a - b).abs().amax(-1)[0]  # [T]
+        assert diff[: changed - d].max() < 1e-5, f"depth {d} sees a token after x_(t+{d})"
+        assert diff[changed - d] > 1e-2, f"depth {d} at t does not read x_(t+{d})"
+
+
+def test_depth_d_learns_x_t_plus_d_plus_1(target):
+    """Sequences of pairs (a, f(a)) with a random and f a fixed permutation: x_{t+d+1} is
+    predictable from x_{t+d} alone when t+d+1 is odd. Trained with the protocol pairing
+    (logits[i][:, t] vs token x_{t+offsets[i]+1}), each depth must reach ~100% there; a module
+    reading x_{t+d-1} instead stays at chance (1/16)."""
+    torch.manual_seed(0)
+    alphabet = torch.arange(20, 36)  # 16 ordinary tokens
+    f = alphabet[torch.randperm(16)]
+
+    def batch(B=32, pairs=8):
+        a = torch.randint(0, 16, (B, pairs))
+        return torch.stack([alphabet[a], f[a]], dim=-1).reshape(B, 2 * pairs)  # [B, 16]
+
+    model = make_mtp(target, num_depths=2)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(120):
+        ids = batch()
+        out = model(target, ids, target(ids, hidden_layers=(-1,)))
+        loss = 0.0
+        for logits, off in zip(out.logits, out.offsets):
+            labels = ids[:, off + 1 :]  # x_{t+off+1}
+            pred = logits[:, : labels.shape[1]]
+            odd = (torch.arange(labels.shape[1]) + off + 1) % 2 == 1  # label index odd
+            loss = loss + F.cross_entropy(pred[:, odd].flatten(0, 1), labels[:, odd].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ids = batch(B=64)
+    with torch.no_grad():
+        out = model(target, ids, target(ids, hidden_layers=(-1,)))
+    for logits, off in zip(out.logits, out.offsets):
+        labels = ids[:, off + 1 :]
+        odd = (torch.arange(labels.shape[1]) + off + 1) % 2 == 1
+        acc = (logits[:, : labels.shape[1]].argmax(-1) == labels)[:, odd].float().mean().item()
+        assert acc > 0.9, f"offset {off}: accuracy {acc:.2f} on x_(t+{off}+1)"
+
+
+def test_one_step_lowers_the_loop_loss(target):
+    model = make_mtp(target)
+    ids = torch.randint(3, 128, (4, 24))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    before = loop_loss(target, model, ids)
+    opt.zero_grad()
+    before.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert target.lm_head.weight.grad is None  # the target stays frozen
+    opt.step()
+    with torch.no_grad():
+        after = loop_loss(target, model, ids)
+    assert after < before - 1e-3
+
+
+# ------------------------------------------------------------------------------------
+# Drafting
+# ------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def reference_q(model, target, committed, last, drafts, sampling):
+    """Draft distributions recomputed from scratch, no caches: module j at position P for
+    j <= D, then module D at P+1, P+2, ... fed its own previous output (recursive_last)."""
+    D = model.num_depths
+    P = committed.shape[1] - 1
+    seq = torch.cat([committed, last[:, None], drafts], 1)  # x_0..x_{P+1}, d_1..d_k
+    emb = target.embed_tokens(seq)
+    h = target(committed, hidden_layers=(-1,)).hidden[-1]  # h^0 [B, P+1, H]
+
+    def run(module, prev, first_token):
+        L = prev.shape[1]
+        cos_sin = model.rotary(prev, torch.arange(L)[None])
+        return module(prev, emb[:, first_token : first_token + L], cos_sin)
+
+    qs, prev_depth = [], h
+    for j in range(1, min(drafts.shape[1], D) + 1):
+        module = model.depths[j - 1]
+        h_prev_depth, prev_depth = prev_depth, run(module, prev_depth[:, : P + 1], j)
+        qs.append(sampling_probs(model.head(target, module, prev_depth[:, -1]), sampling))
+    recursive = [prev_depth[:, -1]]
+    for _ in range(D + 1, drafts.shape[1] + 1):
+        prev = torch.cat([h_prev_depth[:, : P + 1], torch.stack(recursive, 1)], 1)
+        out = run(model.depths[-1], prev, D)[:, -1]
+        qs.append(sampling_probs(model.head(target, model.depths[-1], out), sampling))
+        recursive.append(out)
+    return torch.stack(qs, 1)  # [B, k, V]
+
+
+def test_drafter_caches_and_rollback_match_recompute(target):
+    """Random k (1..4 with D=2: recursion included) and random accepted counts n (0..k, full
+    accepts with a bonus too): every round's q must equal a from-scratch recomputation, so
+    the per-module caches are caught up and rolled back exactly."""
+    model = make_mtp(target, num_depths=2)
+    drafter = model.make_drafter(target)
+    sampling = Sampling(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    rng = torch.Generator().manual_seed(1)
+    committed = torch.randint(3, 128, (2, 6), generator=rng)
+    drafter.prefill(committed, target(committed, hidden_layers=(-1,)))
+    last = torch.randint(3, 128, (2,), generator=rng)
+    seen_n = set()
+    for k in [3, 1, 4, 2, 4, 1, 3, 4, 2, 3]:
+        drafts, q = drafter.propose(last, k, sampling, gen)
+        assert drafts.shape == (2, k) and q.shape == (2, k, 128)
+        torch.testing.assert_close(
+            q, reference_q(model, target, committed, last, drafts, sampling), atol=2e-5, rtol=1e-4
+        )
+        n = int(torch.randint(0, k + 1, (1,), generator=rng))
+        seen_n.add((n, k))
+        correction = torch.randint(3, 128, (2,), generator=rng)
+        emitted = torch.cat([drafts[:, :n], correction[:, None]], 1)
+        kept = torch.cat([committed, last[:, None], drafts[:, :n]], 1)
+        hidden = target(kept, hidden_layers=(-1,))
+        drafter.commit(
+            n, emitted, hidden.__class__(None, {-1: hidden.hidden[-1][:, -(n + 1) :]}, None)
+        )
+        committed, last = kept, correction
+    assert any(n == k for n, k in seen_n) and any(0 < n < k for n, k in seen_n)
+
+
+def test_left_padded_row_drafts_like_the_unpadded_row(target):
+    """A row with 3 left pads must get the same draft distributions as that row alone."""
+    model = make_mtp(target, num_depths=2)
+    rng = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 128, (1, 5), generator=rng)
+    other = torch.randint(3, 128, (1, 8), generator=rng)
+    padded = torch.cat([other, torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], 1)])
+    mask = torch.ones_like(padded)
+    mask[1, :3] = 0
+
+    def features(ids, attn):
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        return target(ids, attention_mask=attn, position_ids=pos, hidden_layers=(-1,))
+
+    batch, alone = model.make_drafter(target), model.make_drafter(target)
+    batch.prefill(padded, features(padded, mask), attention_mask=mask)
+    alone.prefill(prompt, features(prompt, torch.ones_like(prompt)))
+    kept_b, kept_a = padded, prompt
+    # Sampled rounds compare q exactly (k=1: q does not depend on an earlier sample); greedy
+    # rounds compare longer chains (recursion included) and commit partial accepts.
+    for k, n, sampling in [
+        (1, 0, Sampling(1.0)),
+        (3, 2, Sampling()),
+        (1, 0, Sampling(1.0)),
+        (4, 3, Sampling()),
+        (2, 2, Sampling()),
+        (1, 0, Sampling(1.0)),
+    ]:
+        last = torch.randint(3, 128, (2,), generator=rng)
+        d_b, q_b = batch.propose(last, k, sampling)
+        d_a, q_a = alone.propose(last[1:], k, sampling)
+        if sampling.greedy:
+            assert torch.equal(d_b[1:], d_a)
+        else:
+            torch.testing.assert_close(q_b[1:], q_a, atol=2e-5, rtol=1e-4)  # n = 0 here
+        emitted = torch.cat([d_b[:, :n], last[:, None]], 1)  # any correction token will do
+        kept_b = torch.cat([kept_b, last[:, None], d_b[:, :n]], 1)
+        kept_a = torch.cat([kept_a, last[1:, None], d_a[:, :n]], 1)
+        mask = torch.cat([mask, torch.ones(2, n + 1, dtype=torch.long)], 1)
+        out_b = features(kept_b, mask)
+        out_a = features(kept_a, torch.ones_like(kept_a))
+        batch.commit(n, emitted, type(out_b)(None, {-1: out_b.hidden[-1][:, -(n + 1) :]}, None))
+        alone.commit(n, emitted[1:], type(out_a)(None, {-1: out_a.hidden[-1][:, -(n + 1) :]}, None))
+
+
+def test_drafter_refuses_k_beyond_depths_without_recursion(target):
+    model = make_mtp(target, num_depths=2, recursive_last=False)
+    drafter = model.make_drafter(target)
+    ids = torch.randint(3, 128, (1, 5))
+    drafter.prefill(ids, target(ids, hidden_layers=(-1,)))
+    drafts, q = drafter.propose(ids[:, -1], 2, Sampling(), None)
+    assert drafts.shape == (1, 2) and q is None
+    with pytest.raises(ValueError, match="recursive_last"):
+        drafter.propose(ids[:, -1], 3, Sampling(), None)
+
+
+@pytest.fixture(scope="module")
+def distilled(target):
+    """An MTP draft distilled (loop loss) on the target's own greedy continuations, so that
+    drafts get accepted and the decoder exercises partial and full accepts."""
+    torch.manual_seed(0)
+    prompts = torch.randint(3, 128, (16, 6))
+    seqs = generate(target, prompts, None, max_new_tokens=26, eos_token_ids=[]).sequences
+    data = torch.cat([prompts, torch.tensor(seqs)], 1)  # [16, 32]
+    model = make_mtp(target)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(60):
+        loss = loop_loss(target, model, data[(step % 2) * 8 : (step % 2) * 8 + 8])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_spec_equals_target_greedy(target, distilled, k):
+    torch.manual_seed(1)
+    # Two rows of different lengths, left-padded: exercises the drafter's padding path.
+    ids = torch.randint(3, 128, (2, 7))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = target.tokenizer.pad_token_id, 0
+    ref = generate(target, ids, None, max_new_tokens=40, attention_mask=mask, eos_token_ids=[])
+    spec = generate(
+        target,
+        ids,
+        distilled.make_drafter(target),
+        k=k,
+        max_new_tokens=40,
+        attention_mask=mask,
+        eos_token_ids=[],
+    )
+    assert spec.sequences == ref.sequences
+    assert sum(spec.accept_counts) > 0  # drafts were accepted: rollback paths were taken
+    single = generate(
+        target, ids[:1], distilled.make_drafter(target), k=k, max_new_tokens=40, eos_token_ids=[]
+    )
+    assert single.sequences[0] == ref.sequences[0]
+    assert single.tau > 1.2
+
+
+def test_bf16_copies_draft(target, distilled):
+    import copy
+
+    target16 = copy.deepcopy(target).to(dtype=torch.bfloat16)
+    model16 = copy.deepcopy(distilled).to(torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 8))
+    res = generate(
+        target16,
+        ids,
+        model16.make_drafter(target16),
+        k=3,
+        max_new_tokens=12,
+        sampling=Sampling(temperature=0.7),
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert len(res.sequences[0]) == 12

@@ -1,0 +1,20 @@
+"""draftlab training entry point: `python train.py +experiment=distill_kl`.
+
+Multi-process: `torchrun --nproc_per_node 2 train.py +experiment=debug` (CPU, gloo) or
+`accelerate launch --config_file conf/accelerate/ddp.yaml train.py +experiment=...` (GPUs).
+See docs/training.md.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from train.loop import run  # the train/ package wins over this script on import
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

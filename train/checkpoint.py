@@ -1,0 +1,168 @@
+"""Atomic checkpoints: draft weights + config + everything needed to resume exactly.
+
+Layout of `<run_dir>/checkpoints/step_00000100/`:
+    draft.safetensors   draft.state_dict() (trained weights + buffers such as d2t/t2d)
+    draft.yaml          the resolved cfg.draft (reload = instantiate + load_state_dict(strict))
+    trainer_state.pt    step, data position, optimizer, scheduler, RNG states of every rank
+    meta.json           step, loss, wall time (for humans and notebooks)
+
+A checkpoint is written into `.tmp-step_*`, every file fsync'ed, then the directory is
+renamed into place and the parent fsync'ed: a crash mid-write leaves only a `.tmp-*`
+directory, which `list_checkpoints` ignores and `clean_partial` removes. So a directory
+named `step_*` is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+CKPT_SUBDIR = "checkpoints"
+PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CKPT_SUBDIR
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def clean_partial(run_dir: str | Path) -> None:
+    """Remove `.tmp-*` leftovers of a crash mid-write."""
+    root = checkpoint_root(run_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_tensors(state: dict[str, Tensor], path: Path) -> None:
+    """safetensors refuses tensors that share storage (tied embeddings): store each storage
+    once and record the other names as aliases in the metadata."""
+    kept: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    for name, t in state.items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() > 0 and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        kept[name] = t.detach().contiguous().cpu()
+    save_file(kept, str(path), metadata={"aliases": json.dumps(aliases)})
+
+
+def load_tensors(path: Path) -> dict[str, Tensor]:
+    state: dict[str, Tensor] = {}
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            state[name] = f.get_tensor(name)
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    for alias, name in aliases.items():
+        state[alias] = state[name]
+    return state
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    draft_state: dict[str, Tensor],
+    draft_cfg_yaml: str,
+    trainer_state: dict,
+    keep_last: int,
+    meta: dict | None = None,
+) -> Path:
+    """Write checkpoint `step` atomically, then keep only the newest `keep_last`."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_tensors(draft_state, tmp / "draft.safetensors")
+        (tmp / "draft.yaml").write_text(draft_cfg_yaml)
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, indent=2))
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after resume): swap, never half-replace
+            old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last > 0:
+        for stale in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], str, dict]:
+    """-> (draft state dict, draft config YAML, trainer state)."""
+    path = Path(path)
+    missing = [
+        n
+        for n in ("draft.safetensors", "draft.yaml", "trainer_state.pt")
+        if not (path / n).is_file()
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"checkpoint {path} is missing {missing}; it was not written by draftlab"
+        )
+    draft_state = load_tensors(path / "draft.safetensors")
+    trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    return draft_state, (path / "draft.yaml").read_text(), trainer_state
+
+
+def load_draft(
+    path: str | Path, target, device: str | torch.device | None = None
+) -> torch.nn.Module:
+    """Rebuild a trained draft from a checkpoint directory for `target` (strict load)."""
+    import hydra.utils
+    from omegaconf import OmegaConf
+
+    draft_state, draft_yaml, _ = load_checkpoint(path)
+    draft_cfg = OmegaConf.create(draft_yaml)
+    draft = hydra.utils.instantiate(draft_cfg.model, target=target, token_counts=None)
+    draft.load_state_dict(draft_state, strict=True)
+    return draft.to(device or target.device)

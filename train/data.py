@@ -1,0 +1,373 @@
+"""Chat data for draft training: sources, the embedded corpus, masks, eval prompts.
+
+`prepare_data(target, **cfg.data)` is the one entry point. Every source becomes a list
+of conversations (`messages` with role/content); a held-out slice becomes the eval
+prompts; the rest is (by default) re-answered by the target (train/regenerate.py) and
+tokenized with the target's chat template. `loss_mask[t] = 1` iff `input_ids[t+1]` is a
+token the assistant produced (its content and its end-of-turn token), so position t is
+trained exactly where the target's logits at t predict an assistant token.
+
+Sources: "embedded" (train/corpus.py: HumanEval, Shakespeare, CPython stdlib; no network),
+a local .json/.jsonl/.parquet file, or a local directory / hub dataset name (both go
+through `datasets.load_dataset(source, split=...)`), in ShareGPT (`conversations` with
+from/value) or OpenAI (`messages` with role/content) form.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from torch import Tensor
+
+from train.corpus import CATEGORIES, embedded_conversations
+from train.regenerate import regenerate as regenerate_responses
+from train.target import Target
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
+
+
+@dataclass
+class PreparedData:
+    train: datasets.Dataset  # input_ids, loss_mask (+ category, group for inspection)
+    eval_prompts: list[dict]  # category, messages, input_ids, group
+    token_counts: Tensor  # [V] counts of trained label tokens
+    stats: dict
+
+
+# ---------------------------------------------------------------------------------
+# Local files and hub datasets
+# ---------------------------------------------------------------------------------
+
+
+def _messages(row: dict, source: str) -> list[dict]:
+    if row.get("messages") is not None:
+        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    if row.get("conversations") is not None:
+        out = []
+        for m in row["conversations"]:
+            role = m.get("from", m.get("role"))
+            if role not in SHAREGPT_ROLES:
+                raise ValueError(
+                    f"{source}: unknown ShareGPT role {role!r}; expected one of "
+                    f"{sorted(SHAREGPT_ROLES)}"
+                )
+            out.append({"role": SHAREGPT_ROLES[role], "content": m.get("value", m.get("content"))})
+        return out
+    raise ValueError(
+        f"{source}: rows need a `messages` column (OpenAI form: role/content) or a "
+        f"`conversations` column (ShareGPT form: from/value); found {sorted(row)}"
+    )
+
+
+def _guess_category(text: str) -> str:
+    if "```" in text or re.search(r"\bdef |\bimport |\bfunction\b|\bclass \w+", text):
+        return "code"
+    return "qa" if text.rstrip().endswith("?") else "prose"
+
+
+def load_conversations(source: str, split: str = "train") -> list[dict]:
+    """Rows of a local json/jsonl/parquet file, a local dataset directory or a hub dataset."""
+    path = Path(source).expanduser()
+    builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+    if path.is_file():
+        if path.suffix not in builders:
+            raise ValueError(
+                f"data.source={source!r}: unsupported file type {path.suffix!r}; "
+                f"use one of {sorted(builders)} or a dataset directory"
+            )
+        ds = datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
+    else:
+        if source.startswith((".", "/", "~")) and not path.exists():
+            raise FileNotFoundError(
+                f"data.source={source!r} does not exist; give a .json/.jsonl/"
+                ".parquet file, a dataset directory, a hub name or 'embedded'"
+            )
+        try:  # a local dataset directory and a hub name take the same path
+            ds = datasets.load_dataset(str(path) if path.exists() else source, split=split)
+        except (OSError, ValueError) as err:
+            raise FileNotFoundError(
+                f"data.source={source!r} (split {split!r}) could not be loaded: {err}. A hub "
+                "dataset needs network access or a populated HF cache; otherwise give a local "
+                ".json/.jsonl/.parquet file or directory, or data=default for the embedded corpus"
+            ) from err
+    rows = []
+    for i, row in enumerate(ds):
+        messages = _messages(row, source)
+        first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
+        rows.append(
+            {
+                "messages": messages,
+                "group": f"row:{i}",
+                "category": row.get("category") or _guess_category(first_user),
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------
+# Tokenization with the assistant-only mask
+# ---------------------------------------------------------------------------------
+
+
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = False,
+    end_tokens: list[str] | None = None,
+) -> tuple[list[int], list[int]]:
+    """input_ids and per-token assistant flags (not yet shifted) for one conversation.
+
+    An assistant span starts after its turn's generation prompt (the template rendered up
+    to that turn with add_generation_prompt=True) and ends after the first end-of-turn
+    token inside the turn (`end_tokens`, default the tokenizer's EOS): what the model
+    emits, not the template's trailing newline.
+    Character spans map to tokens through the fast tokenizer's offsets, so BPE merges
+    across a boundary cannot shift the mask.
+    """
+    if not tokenizer.is_fast:
+        raise ValueError(
+            "the assistant mask needs a fast tokenizer (offset mapping); "
+            "load the target's tokenizer with use_fast=True"
+        )
+
+    def render(msgs: list[dict], gen: bool = False) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    text = render(messages, add_generation_prompt)
+    ends = [e for e in (end_tokens or [tokenizer.eos_token]) if e]
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(messages[:i], gen=True), render(messages[: i + 1])
+        if not (text.startswith(through) and through.startswith(before)):
+            raise ValueError(
+                f"the chat template does not render this conversation prefix by "
+                f"prefix (turn {i}), so its assistant tokens cannot be located: "
+                f"{str(messages)[:200]}"
+            )
+        stops = [(at, e) for e in ends if (at := through.find(e, len(before))) >= 0]
+        stop, end = min(stops) if stops else (len(through), "")
+        spans.append((len(before), stop + len(end)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    flags = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
+    return enc["input_ids"], flags
+
+
+def shift_mask(flags: list[int]) -> list[int]:
+    """loss_mask[t] = 1 iff token t+1 is an assistant token (the target's logits at t)."""
+    return flags[1:] + [0]
+
+
+def collate(rows: list[dict], pad_token_id: int) -> dict[str, Tensor]:
+    """Right-padded batch: input_ids, attention_mask, loss_mask, each [B, T]."""
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T]
+    for b, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[b, :n] = torch.tensor(r["input_ids"])
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = torch.tensor(r["loss_mask"])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+# ---------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------
+
+
+def prepare_data(
+    target: Target,
+    source: str = "embedded",
+    split: str = "train",
+    max_len: int = 512,
+    num_train: int | None = 256,
+    num_eval: int = 18,
+    regenerate: bool = True,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    regen_batch_size: int = 16,
+    regen_dtype: str = "bfloat16",
+    seed: int = 0,
+    cache_dir: str | None = None,
+    stdlib_files: int = 150,
+    progress: bool = True,
+) -> PreparedData:
+    """Training rows (target-regenerated by default), eval prompts, label token counts."""
+    tok = target.tokenizer
+    if tok.chat_template is None:
+        raise ValueError(
+            f"target {target.name!r} has no chat template; set "
+            "tokenizer.chat_template (one template is used for regeneration, "
+            "training masks and evaluation)"
+        )
+    max_prompt = max_len // 2  # leave at least half of max_len for the answer
+
+    # Every token id the target stops on (e.g. <|eot_id|> besides <|end_of_text|>).
+    end_tokens = tok.convert_ids_to_tokens(target.eos_token_ids)
+
+    def tokenize(messages: list[dict], gen: bool = False) -> tuple[list[int], list[int]]:
+        return tokenize_conversation(tok, messages, gen, end_tokens)
+
+    def prompt_ids(messages: list[dict]) -> list[int]:
+        return tokenize(messages, gen=True)[0]
+
+    def fits(messages: list[dict]) -> bool:
+        try:
+            return len(prompt_ids(messages)) <= max_prompt
+        except ValueError:  # the template cannot render it prefix by prefix
+            return False
+
+    stats: dict = {
+        "source": source,
+        "skipped_no_assistant": 0,
+        "skipped_long_prompt": 0,
+        "skipped_truncated_away": 0,
+        "truncated": 0,
+        "skipped_template_mismatch": 0,
+        "dropped_eval_duplicates": 0,
+    }
+    if source == "embedded":
+        train_convs, eval_convs, extra = embedded_conversations(
+            num_train or 10**9, num_eval, seed, fits, not regenerate, stdlib_files
+        )
+        stats.update(extra)
+    else:
+        rows = load_conversations(source, split)
+        stats["source_rows"] = len(rows)
+        random.Random(seed).shuffle(rows)
+        eval_convs, train_convs = [], []
+        for r in rows:
+            prompt = r["messages"][
+                : next((i + 1 for i, m in enumerate(r["messages"]) if m["role"] == "user"), 0)
+            ]
+            fresh = prompt and all(
+                prompt[-1]["content"] != c["messages"][-1]["content"] for c in eval_convs
+            )
+            if len(eval_convs) < num_eval and fresh and fits(prompt):
+                eval_convs.append({**r, "messages": prompt})
+            else:
+                train_convs.append(r)
+        # A duplicate of an eval prompt elsewhere in the file is the same item: drop it.
+        eval_texts = {c["messages"][-1]["content"] for c in eval_convs}
+        kept = [
+            r
+            for r in train_convs
+            if not any(m["role"] == "user" and m["content"] in eval_texts for m in r["messages"])
+        ]
+        stats["dropped_eval_duplicates"] = len(train_convs) - len(kept)
+        train_convs = kept
+
+    # Prompt = everything before the last assistant turn: the answer regeneration replaces.
+    # Embedded prompts without a source answer are `prompt_only`: regeneration answers them.
+    items = []
+    for c in train_convs:
+        msgs = c["messages"]
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+        prompt = msgs[:last] if last is not None else msgs
+        if (
+            (last is None and not c.get("prompt_only"))
+            or not prompt
+            or prompt[-1]["role"] == "assistant"
+        ):
+            stats["skipped_no_assistant"] += 1
+            continue
+        try:  # regenerate: prompt tokens (+ the target's answer later); else the whole row
+            ids, flags = tokenize(prompt, gen=True) if regenerate else tokenize(msgs)
+        except ValueError:  # e.g. a row that opens with an assistant turn
+            stats["skipped_template_mismatch"] += 1
+            continue
+        if regenerate and len(ids) > max_prompt:  # no room left for the answer
+            stats["skipped_long_prompt"] += 1
+            continue
+        items.append({**c, "ids": ids, "flags": flags})
+    items = items[:num_train] if num_train else items
+
+    if regenerate and items:
+        answers, stats["regen"] = regenerate_responses(
+            target,
+            [it["ids"] for it in items],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            batch_size=regen_batch_size,
+            dtype=regen_dtype,
+            seed=seed,
+            cache_dir=cache_dir,
+            progress=progress,
+        )
+        for it, answer in zip(items, answers, strict=True):
+            # The target's own tokens, EOS included when it stopped; all of them trained.
+            it["ids"], it["flags"] = (
+                it["ids"] + answer["ids"],
+                it["flags"] + [1] * len(answer["ids"]),
+            )
+
+    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "category": [], "group": []}
+    for it in items:
+        ids, flags = it["ids"], it["flags"]
+        if len(ids) > max_len:
+            ids, flags = ids[:max_len], flags[:max_len]
+            stats["truncated"] += 1
+        mask = shift_mask(flags)
+        if sum(mask) == 0:
+            stats["skipped_truncated_away" if len(ids) == max_len else "skipped_no_assistant"] += 1
+            continue
+        columns["input_ids"].append(ids)
+        columns["loss_mask"].append(mask)
+        columns["category"].append(it.get("category", "chat"))
+        columns["group"].append(it["group"])
+    if not columns["input_ids"]:
+        raise ValueError(
+            f"data.source={source!r} produced no training rows ({stats}); check the "
+            "source has conversations with assistant turns, or raise data.max_len"
+        )
+
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)  # [V]
+    for ids, mask in zip(columns["input_ids"], columns["loss_mask"], strict=True):
+        labels = torch.tensor(ids[1:])[torch.tensor(mask[:-1], dtype=torch.bool)]
+        counts += torch.bincount(labels, minlength=target.vocab_size)[: target.vocab_size]
+
+    eval_prompts = [
+        {
+            "category": c["category"],
+            "messages": c["messages"],
+            "group": c["group"],
+            "input_ids": prompt_ids(c["messages"]),
+        }
+        for c in eval_convs
+    ]
+    lengths = [len(x) for x in columns["input_ids"]]
+    stats.update(
+        {
+            "train_rows": len(lengths),
+            "eval_prompts": len(eval_prompts),
+            "train_tokens": sum(lengths),
+            "trained_tokens": int(counts.sum()),
+            "mean_len": round(sum(lengths) / len(lengths), 1),
+            "max_len": max(lengths),
+            "train_categories": {
+                c: columns["category"].count(c) for c in sorted(set(columns["category"]))
+            },
+            "eval_categories": {
+                c: [p["category"] for p in eval_prompts].count(c) for c in CATEGORIES
+            },
+        }
+    )
+    return PreparedData(datasets.Dataset.from_dict(columns), eval_prompts, counts, stats)

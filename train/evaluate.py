@@ -1,0 +1,85 @@
+"""Evaluation after each checkpoint: the shared decoder on held-out prompts.
+
+Decoding runs in bf16 on CPU (fp32 small-row linears are 15-60x slower here, see
+design.md §5), so the loop hands over bf16 copies of the frozen target (made once and
+reused: it never changes) and of the current draft. For every configured temperature
+`decoding.metrics.evaluate` measures tau, per-position acceptance and speedup against AR
+on the same prompts in the same call; next to it we log the training proxy's prediction
+(simulated tau from alpha = sum min(p, q) for T > 0, from top-1 agreement for greedy) and
+its error, so a train/decode mismatch (high proxy, tau ~ 1) shows up at once.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from omegaconf import DictConfig
+
+from decoding.drafter import Sampling
+from train.target import Target, resolve_dtype
+
+
+def decode_copy(target: Target, dtype: torch.dtype) -> Target:
+    """A frozen copy of the target in the decoding dtype (the training target is untouched)."""
+    model = copy.deepcopy(target.model).to(dtype)
+    return Target(model, target.tokenizer, name=target.name)
+
+
+def evaluate_checkpoint(
+    target: Target,
+    draft: torch.nn.Module,
+    eval_prompts: list[dict],
+    cfg: DictConfig,
+    proxy: dict | None,
+    target_eval: Target | None = None,
+) -> tuple[dict, Target]:
+    """-> (flat JSON-able metrics, the bf16 target copy to reuse at the next checkpoint)."""
+    from decoding.metrics import evaluate
+
+    dec = cfg.decode
+    dtype = resolve_dtype(dec.get("dtype", "bfloat16"))
+    k = int(dec.get("k", 4))
+    if target_eval is None:
+        target_eval = decode_copy(target, dtype)
+    draft_eval = copy.deepcopy(draft).to(dtype).eval()
+    drafter = draft_eval.make_drafter(target_eval)
+    num = dec.get("num_prompts") or len(eval_prompts)
+    if not eval_prompts:
+        raise ValueError(
+            "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
+        )
+    prompts = [
+        torch.tensor(p["input_ids"], device=target_eval.device)[None] for p in eval_prompts[:num]
+    ]
+    result: dict = {"k": k, "num_prompts": len(prompts)}
+    temperatures = [float(t) for t in dec.get("temperatures", [0.0])]
+    for temp in temperatures:
+        sampling = Sampling(
+            temperature=float(temp),
+            top_k=int(dec.get("top_k", 0)),
+            top_p=float(dec.get("top_p", 1.0)),
+        )
+        with torch.no_grad():
+            m = evaluate(
+                target_eval,
+                drafter,
+                prompts,
+                k=k,
+                sampling=sampling,
+                max_new_tokens=int(dec.get("max_new_tokens", 64)),
+                warmup=int(dec.get("warmup", 1)),
+                seed=int(dec.get("seed", cfg.seed)),
+                adaptive_k=bool(dec.get("adaptive_k", False)),
+            )
+        tag = "greedy" if sampling.greedy else f"T{temp:g}"
+        for key, value in m.items():
+            result[f"{tag}/{key}"] = value
+        if proxy is not None:
+            predicted = proxy["sim_tau_greedy"] if sampling.greedy else proxy["sim_tau"]
+            result[f"{tag}/proxy_tau"] = predicted
+            result[f"{tag}/proxy_error"] = predicted - m["tau"]
+    first = "greedy" if 0.0 in temperatures else f"T{temperatures[0]:g}"
+    result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
+    result["speedup"] = result.get(f"{first}/speedup")
+    return result, target_eval

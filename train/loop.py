@@ -1,0 +1,497 @@
+"""The training loop: frozen target online, trainable draft, accelerate for devices/ranks.
+
+One optimizer step = `grad_accum` micro-batches of `batch_size` rows on every rank. The
+global batch (batch_size x world_size x grad_accum rows) is cut from one seeded stream of
+row indices (a fresh permutation per epoch), rank r taking its slice, so 2 ranks x 2 rows
+see exactly the rows of 1 rank x 4 rows, and resuming only needs the step number.
+
+Loss normalisation: each offset's loss is summed over trained positions and divided by
+the GLOBAL count of trained positions (all ranks, all micro-batches of the step), times
+world_size because DDP averages gradients. So the gradient is the token-mean over the
+global batch whatever the split across ranks and micro-batches.
+
+The target runs under no_grad rather than inference_mode: inference tensors cannot be
+saved for backward, and the loss saves softmax(target logits); cloning [B, T, V] logits
+out of inference mode every step would cost more than inference_mode saves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import hydra.utils
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, gather_object, set_seed
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from train.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.data import collate, prepare_data
+from train.evaluate import evaluate_checkpoint
+from train.losses import LOSSES, acceptance_proxy, simulated_tau, top1_agreement
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def _instantiate(node: DictConfig, **kwargs):
+    """hydra.utils.instantiate, re-raising the builder's own error (its message says what
+    to fix) instead of hydra's InstantiationException wrapper."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ValueError | FileNotFoundError | TypeError):
+            raise err.__cause__ from None
+        raise
+
+
+def _setup_wandb_env() -> None:
+    """Offline unless a key is configured; an explicit WANDB_MODE always wins."""
+    if "WANDB_MODE" in os.environ:
+        return
+    netrc = Path.home() / ".netrc"
+    has_netrc_key = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    if not os.environ.get("WANDB_API_KEY") and not has_netrc_key:
+        os.environ["WANDB_MODE"] = "offline"
+
+
+def _make_accelerator(cfg: DictConfig) -> Accelerator:
+    log_with = None
+    if cfg.logger.kind == "wandb":
+        _setup_wandb_env()
+        log_with = "wandb"
+    elif cfg.logger.kind != "none":
+        raise ValueError(f"logger.kind must be 'wandb' or 'none', got {cfg.logger.kind!r}")
+    device = str(cfg.device)
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return Accelerator(
+        cpu=cpu, mixed_precision="bf16" if cfg.train.bf16 else "no", log_with=log_with
+    )
+
+
+def check_run_dir(cfg: DictConfig) -> Path | None:
+    """Decide, before anything heavy, whether this run starts fresh or resumes (-> ckpt)."""
+    run_dir = Path(cfg.run_dir)
+    clean_partial(run_dir)
+    newest = latest_checkpoint(run_dir)
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("resume=true and overwrite=true contradict each other; pass one of them")
+    if cfg.resume:
+        if newest is None:
+            raise FileNotFoundError(
+                f"resume=true but {run_dir}/checkpoints holds no checkpoint. Drop resume=true to "
+                "start a new run, or set name/seed/run_dir to the run you want to continue."
+            )
+        return newest
+    if newest is not None and not cfg.overwrite:
+        raise FileExistsError(
+            f"{run_dir} already has checkpoints (newest: {newest.name}). Pass resume=true to "
+            "continue that run, overwrite=true to delete them and start afresh, or choose "
+            "another name/seed/run_dir."
+        )
+    return None
+
+
+def _lr_lambda(warmup: int, total: int, min_ratio: float):
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def global_rows(step: int, rows_per_step: int, num_rows: int, seed: int) -> list[int]:
+    """Row indices of optimizer step `step`: a contiguous slice of an endless stream that
+    visits every row once per epoch in a seeded per-epoch order."""
+    out, start = [], step * rows_per_step
+    for j in range(start, start + rows_per_step):
+        epoch, pos = divmod(j, num_rows)
+        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        out.append(int(torch.randperm(num_rows, generator=g)[pos]))
+    return out
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _preflight(draft, target, sample_ids: torch.Tensor) -> list[int]:
+    """One tiny forward: check the draft's vocabulary against the target, learn offsets."""
+    with torch.no_grad():
+        ids = sample_ids[None, :8].to(target.device)  # [1, <=8]
+        t_out = target(ids, hidden_layers=tuple(draft.hidden_layers), use_cache=False)
+        out = draft(target, ids, t_out, torch.ones_like(ids))
+    for logits in out.logits:
+        want = target.vocab_size if out.vocab_ids is None else len(out.vocab_ids)
+        if logits.shape[-1] != want:
+            what = "the target's vocabulary" if out.vocab_ids is None else "len(vocab_ids)"
+            raise ValueError(
+                f"the draft predicts {logits.shape[-1]} tokens per position but {what} has "
+                f"{want} (target {target.name!r}): the draft must use the target's tokenizer, "
+                "or return vocab_ids mapping its reduced vocabulary to target ids."
+            )
+    return list(out.offsets)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train cfg.draft on cfg.target; checkpoints, evaluation and summary in cfg.run_dir."""
+    accelerator = _make_accelerator(cfg)
+    main, rank, world = (
+        accelerator.is_main_process,
+        accelerator.process_index,
+        accelerator.num_processes,
+    )
+    run_dir = Path(cfg.run_dir)
+    resume_from = check_run_dir(cfg)
+    accelerator.wait_for_everyone()
+    if main and cfg.overwrite and resume_from is None:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        for name in ("metrics.jsonl", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+    if cfg.loss.name not in LOSSES:
+        raise ValueError(f"loss.name={cfg.loss.name!r} is not one of {sorted(LOSSES)}")
+    tc = cfg.train
+    set_seed(cfg.seed)
+
+    # -- target, data, draft ------------------------------------------------------
+    target = _instantiate(cfg.target)
+    target.to(accelerator.device)
+    with accelerator.main_process_first():  # rank 0 fills the regeneration cache
+        prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
+    train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
+    pad_id = target.tokenizer.pad_token_id
+    draft = _instantiate(cfg.draft.model, target=target, token_counts=prepared.token_counts)
+    draft.to(accelerator.device)
+    offsets = _preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the draft has no trainable parameters; check draft.model settings")
+    oc = cfg.optim
+    optimizer = torch.optim.AdamW(
+        params, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(oc.warmup_steps, tc.steps, oc.min_lr_ratio)
+    )
+
+    start_step = 0
+    if resume_from is not None:
+        if accelerator.distributed_type == DistributedType.FSDP:
+            raise NotImplementedError(
+                "resume=true under FSDP is not supported: the checkpoint holds the main rank's "
+                "optimizer shard only. Resume with DDP (conf/accelerate/ddp.yaml) or start afresh."
+            )
+        draft_state, _, state = load_checkpoint(resume_from)
+        if state["world_size"] != world:
+            raise ValueError(
+                f"{resume_from} was written by {state['world_size']} processes; "
+                f"resume with the same number (got {world})"
+            )
+        draft.load_state_dict(draft_state, strict=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"][rank])
+        start_step = state["step"]
+    draft, optimizer = accelerator.prepare(draft, optimizer)  # scheduler stepped by hand
+    core = accelerator.unwrap_model(draft)
+
+    # -- logging ------------------------------------------------------------------
+    metrics_path = run_dir / "metrics.jsonl"
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if resume_from is not None and metrics_path.exists():  # drop lines past the checkpoint
+            kept = [
+                ln
+                for ln in metrics_path.read_text().splitlines()
+                if ln and json.loads(ln)["step"] <= start_step
+            ]
+            metrics_path.write_text("".join(ln + "\n" for ln in kept))
+    if cfg.logger.kind == "wandb":
+        accelerator.init_trackers(
+            cfg.logger.project,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            init_kwargs={
+                "wandb": {
+                    "name": str(cfg.name),
+                    "dir": str(run_dir),
+                    "entity": cfg.logger.get("entity"),
+                }
+            },
+        )
+
+    def log(record: dict) -> None:
+        if main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            accelerator.log(
+                {k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"]
+            )
+
+    # -- the loop -----------------------------------------------------------------
+    loss_fn = LOSSES[cfg.loss.name]
+    temperature = float(cfg.loss.temperature)
+    k_decode = int(cfg.decode.k)
+    rows_per_step = tc.batch_size * world * tc.grad_accum
+    n_off = len(offsets)
+    window = _Window(n_off)
+    eval_history: list[dict] = []
+    last_eval: dict = {}
+    proxy: dict | None = None  # the newest train log record (alpha per offset, sim tau)
+    last_ckpt = str(resume_from) if resume_from else None
+    target_eval = None  # bf16 copy of the frozen target, built once at the first eval
+    t_run = time.perf_counter()
+    bar = tqdm(total=tc.steps, initial=start_step, disable=not main, desc=str(cfg.name))
+
+    for step in range(start_step, tc.steps):
+        t_step = time.perf_counter()
+        rows = global_rows(step, rows_per_step, len(train_rows), cfg.seed)
+        micro = []
+        for a in range(tc.grad_accum):
+            chunk = rows[
+                (a * world + rank) * tc.batch_size : (a * world + rank + 1) * tc.batch_size
+            ]
+            batch = collate([train_rows[i] for i in chunk], pad_id)
+            micro.append({k: v.to(accelerator.device) for k, v in batch.items()})
+        # Global count of trained positions per offset (all micro-batches, all ranks).
+        counts = torch.tensor(
+            [[float(b["loss_mask"][:, off:].sum()) for off in offsets] for b in micro],
+            device=accelerator.device,
+        ).sum(0)  # [n_off]
+        counts = accelerator.reduce(counts, reduction="sum").clamp_min(1.0)
+        stats = torch.zeros(
+            3 * n_off + 2, device=accelerator.device
+        )  # loss, alpha, top1 sums; aux; tokens
+        t_target = 0.0
+        for a, b in enumerate(micro):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                t_out = target(
+                    b["input_ids"],
+                    attention_mask=b["attention_mask"],
+                    hidden_layers=tuple(core.hidden_layers),
+                    use_cache=False,
+                )
+            if t_out.logits.is_cuda:
+                torch.cuda.synchronize()
+            t_target += time.perf_counter() - t0
+            sync = a == tc.grad_accum - 1
+            with accelerator.no_sync(draft) if not sync else _nullcontext():
+                out = draft(target, b["input_ids"], t_out, b["attention_mask"])
+                loss = _offset_losses(
+                    out, t_out.logits, b, offsets, counts, loss_fn, temperature, cfg, stats
+                )
+                loss = loss * world
+                if out.aux_loss is not None:
+                    loss = loss + out.aux_loss / tc.grad_accum
+                    stats[3 * n_off] += out.aux_loss.detach().float() / tc.grad_accum
+                stats[-1] += b["attention_mask"].sum()
+                accelerator.backward(loss)
+        stats = accelerator.reduce(stats, reduction="sum")
+        stats[3 * n_off] /= world
+        grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm or float("inf"))
+        loss_value = float(sum(tc.offset_decay**i * stats[i] / counts[i] for i in range(n_off)))
+        loss_value += float(stats[3 * n_off])
+        if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
+            bar.close()
+            kept = (
+                f"the last good checkpoint {last_ckpt} is kept"
+                if last_ckpt
+                else "no checkpoint was written yet"
+            )
+            raise TrainingDiverged(
+                f"non-finite training signal at step {step + 1}: loss={loss_value}, "
+                f"grad_norm={float(grad_norm)}; the update was not applied and {kept}. "
+                "Lower optim.lr, enable gradient clipping (train.max_grad_norm) or check the data."
+            )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        window.add(
+            stats, counts, loss_value, float(grad_norm), t_target, time.perf_counter() - t_step
+        )
+        done = step + 1
+        bar.update(1)
+        if done % tc.log_every == 0 or done == tc.steps:
+            rec = window.flush(done, scheduler.get_last_lr()[0], k_decode, offsets)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", alpha=f"{rec['alpha'][0]:.3f}")
+            log(rec)
+            proxy = rec
+        if done % tc.ckpt_every == 0 or done == tc.steps:
+            # Collectives first, on every rank (FSDP gathers the full state dict here).
+            draft_state = accelerator.get_state_dict(draft)
+            rng_all = gather_object([_rng_state()])  # one entry per rank
+            if main:
+                state = {
+                    "step": done,
+                    "rows_consumed": done * rows_per_step,
+                    "world_size": world,
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": rng_all,
+                }
+                last_ckpt = str(
+                    save_checkpoint(
+                        run_dir,
+                        done,
+                        draft_state,
+                        OmegaConf.to_yaml(cfg.draft, resolve=True),
+                        state,
+                        tc.keep_last,
+                        meta={"loss": loss_value, "name": str(cfg.name)},
+                    )
+                )
+                if tc.eval_at_ckpt:
+                    rng = _rng_state()  # evaluation must not shift the training RNG stream
+                    last_eval, target_eval = evaluate_checkpoint(
+                        target, core, prepared.eval_prompts, cfg, proxy, target_eval
+                    )
+                    _set_rng_state(rng)
+                    last_eval["step"] = done
+                    eval_history.append(last_eval)
+                    log({"kind": "eval", **last_eval})
+            accelerator.wait_for_everyone()
+    bar.close()
+
+    summary = {}
+    if main:
+        wall = time.perf_counter() - t_run
+        steps_run = tc.steps - start_step
+        summary = {
+            "name": str(cfg.name),
+            "run_dir": str(run_dir),
+            "steps": tc.steps,
+            "resumed_from": str(resume_from) if resume_from else None,
+            "last_checkpoint": last_ckpt,
+            "world_size": world,
+            "wall_s": round(wall, 2),
+            "steps_per_s": steps_run / wall if wall > 0 else None,
+            "tokens_per_s": window.total_tokens / window.total_time if window.total_time else None,
+            "target_time_share": window.total_target / window.total_time
+            if window.total_time
+            else None,
+            "final_train": proxy if tc.steps > start_step else None,
+            "final_eval": last_eval or None,
+            "tau_curve": [[e["step"], e.get("tau")] for e in eval_history],
+            "data_stats": prepared.stats,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    accelerator.end_training()
+    return summary
+
+
+def _offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperature, cfg, stats):
+    """Sum over offsets of gamma^i * loss_i, each normalised by the global count."""
+    total, n_off, T = 0.0, len(offsets), batch["input_ids"].shape[1]
+    for i, (logits, off) in enumerate(zip(out.logits, offsets, strict=True)):
+        if off != out.offsets[i]:
+            raise ValueError(
+                f"the draft changed its offsets between calls ({offsets} -> {out.offsets})"
+            )
+        d = logits[:, : T - off].float()  # [B, T-off, Vd]
+        t = target_logits[:, off:]  # [B, T-off, V]
+        if out.vocab_ids is not None:
+            t = t.index_select(-1, out.vocab_ids.to(t.device))  # [B, T-off, Vd]
+        d, t = d.reshape(-1, d.shape[-1]), t.reshape(-1, t.shape[-1])  # [N, Vd]
+        mask = batch["loss_mask"][:, off:].reshape(-1)  # [N]
+        kwargs = {}
+        if cfg.loss.name == "ce" and cfg.loss.get("labels", "target") == "data":
+            ids = batch["input_ids"]
+            pad = ids.new_zeros(ids.shape[0], 1)
+            labels = torch.cat([ids[:, off + 1 :], pad], 1)  # [B, T-off]: x_{t+off+1}
+            if out.vocab_ids is not None:
+                raise ValueError(
+                    "loss.labels=data needs a full-vocabulary draft; use labels=target"
+                )
+            kwargs["labels"] = labels.reshape(-1)
+        loss_sum = loss_fn(d, t, mask, temperature=temperature, reduction="sum", **kwargs)
+        total = total + cfg.train.offset_decay**i * loss_sum / counts[i]
+        stats[i] += loss_sum.detach()
+        stats[n_off + i] += acceptance_proxy(d, t, mask, reduction="sum")
+        stats[2 * n_off + i] += top1_agreement(d, t, mask, reduction="sum")
+    return total
+
+
+class _Window:
+    """Running sums between two log lines, plus run totals for the summary."""
+
+    def __init__(self, n_off: int):
+        self.n_off = n_off
+        self.total_tokens = self.total_time = self.total_target = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums = torch.zeros(3 * self.n_off + 2)
+        self.counts = torch.zeros(self.n_off)
+        self.loss = self.grad_norm = self.time = self.target_time = 0.0
+        self.steps = 0
+
+    def add(self, stats, counts, loss, grad_norm, t_target, t_step) -> None:
+        self.sums += stats.cpu()
+        self.counts += counts.cpu()
+        self.loss += loss
+        self.grad_norm += grad_norm
+        self.time += t_step
+        self.target_time += t_target
+        self.steps += 1
+        self.total_tokens += float(stats[-1])
+        self.total_time += t_step
+        self.total_target += t_target
+
+    def flush(self, step: int, lr: float, k: int, offsets: list[int]) -> dict:
+        n = self.n_off
+        alpha = (self.sums[n : 2 * n] / self.counts).tolist()
+        top1 = (self.sums[2 * n : 3 * n] / self.counts).tolist()
+        rec = {
+            "kind": "train",
+            "step": step,
+            "loss": self.loss / self.steps,
+            "loss_per_offset": (self.sums[:n] / self.counts).tolist(),
+            "offsets": offsets,
+            "alpha": alpha,
+            "top1": top1,
+            "sim_tau": simulated_tau(alpha, k),
+            "sim_tau_greedy": simulated_tau(top1, k),
+            "lr": lr,
+            "grad_norm": self.grad_norm / self.steps,
+            "steps_per_s": self.steps / self.time,
+            "tokens_per_s": float(self.sums[-1]) / self.time,
+            "target_time_share": self.target_time / self.time,
+        }
+        for i in range(n):
+            rec[f"alpha_{i}"], rec[f"top1_{i}"] = alpha[i], top1[i]
+        self._reset()
+        return rec
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
