@@ -14,9 +14,15 @@ and returns a JSON-able dict:
     overhead_share       share of round time outside target and drafter calls
     greedy_match_rate    greedy only: mean fraction of AR tokens reproduced before the first
                          difference (1.0 = lossless; in bf16, k-row kernels round differently)
+    tree, tree_size      tree decoding (`tree=`, decoding/tree.py): the TreeSpec and the mean
+                         drafted nodes per verify round (None for chains); α_i is then per
+                         depth i, and `k` is the tree's maximum depth
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,6 +30,9 @@ from torch import Tensor
 from decoding.drafter import Drafter, Sampling
 from decoding.spec import GREEDY, GenerationResult, generate
 from train.target import Target
+
+if TYPE_CHECKING:
+    from decoding.tree import TreeSpec
 
 
 def _as_row(prompt: Tensor) -> Tensor:
@@ -74,28 +83,24 @@ def evaluate(
     seed: int = 0,
     adaptive_k: bool = False,
     eos_token_ids: list[int] | None = None,
+    tree: TreeSpec | None = None,  # draft trees instead of chains (k is then unused)
 ) -> dict:
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
     device = target.device
     kw = dict(sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+    spec_kw = dict(k=k, adaptive_k=adaptive_k, tree=tree, **kw)
 
     def gen(seed_offset: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed + seed_offset)
 
     for i in range(min(warmup, len(prompts))):  # caches, allocator, kernel choice
         generate(target, _as_row(prompts[i]), None, generator=gen(i), **kw)
-        generate(
-            target, _as_row(prompts[i]), drafter, k=k, adaptive_k=adaptive_k, generator=gen(i), **kw
-        )
+        generate(target, _as_row(prompts[i]), drafter, generator=gen(i), **spec_kw)
     ar_runs, spec_runs = [], []
     for i, prompt in enumerate(prompts):
         ar_runs.append(generate(target, _as_row(prompt), None, generator=gen(i), **kw))
-        spec_runs.append(
-            generate(
-                target, _as_row(prompt), drafter, k=k, adaptive_k=adaptive_k, generator=gen(i), **kw
-            )
-        )
+        spec_runs.append(generate(target, _as_row(prompt), drafter, generator=gen(i), **spec_kw))
 
     stats = acceptance_stats(spec_runs, max(max(r.draft_lens, default=k) for r in spec_runs))
     ar_time = sum(r.total_s for r in ar_runs)
@@ -112,8 +117,10 @@ def evaluate(
     round_time = sum(r.total_s - r.prefill_s for r in spec_runs)
     out = {
         **stats,
-        "k": k,
+        "k": k if tree is None else tree.max_depth,
         "adaptive_k": adaptive_k,
+        "tree": None if tree is None else dataclasses.asdict(tree),
+        "tree_size": None,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
@@ -138,6 +145,9 @@ def evaluate(
         "device": str(device),
         "dtype": str(target.dtype).removeprefix("torch."),
     }
+    sizes = [n for r in spec_runs for n, d in zip(r.tree_sizes, r.draft_lens) if d > 0]
+    if tree is not None and sizes:
+        out["tree_size"] = sum(sizes) / len(sizes)
     if sampling.greedy:
         matches = [greedy_match(a.sequences[0], s.sequences[0]) for a, s in zip(ar_runs, spec_runs)]
         out["greedy_match_rate"] = sum(matches) / len(matches)

@@ -39,7 +39,15 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from decoding.drafter import Sampling
-from decoding.spec import GenerationResult, StreamFn, _sync, check_inputs, emit, prefill
+from decoding.spec import (
+    GREEDY,
+    GenerationResult,
+    StreamFn,
+    _sync,
+    check_inputs,
+    emit,
+    prefill,
+)
 from decoding.verify import node_depths, tree_verify
 from train.target import Target, TargetOutput
 
@@ -105,9 +113,7 @@ def static_tree(paths: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ..
         if not path or min(path) < 0:
             raise ValueError(f"tree path {list(path)} must be a non-empty list of ranks >= 0")
         if len(path) > 1 and path[:-1] not in present:
-            raise ValueError(
-                f"tree path {list(path)} has no parent path {list(path[:-1])}; add it"
-            )
+            raise ValueError(f"tree path {list(path)} has no parent path {list(path[:-1])}; add it")
     return tuple(ordered)
 
 
@@ -190,6 +196,33 @@ def compact_cache(cache: DynamicCache, past_len: int, keep: Tensor) -> None:
         layer.values = layer.values[:, :, : past_len + m]
 
 
+def tree_forward(
+    target: Target,
+    cache: DynamicCache,
+    last: Tensor,  # [B] the root: newest token, not yet in the cache
+    tokens: Tensor,  # [B, N]
+    parents: Tensor,  # [B, N]
+    next_pos: Tensor,  # [B] position id of `last`
+    past_mask: Tensor | None,  # [B, past] 1 = real token (left padding), None = no padding
+    hidden_layers: tuple[int, ...] = (),
+) -> TargetOutput:
+    """ONE target forward over [last, tree] -> logits [B, N+1, V]: position i+1 is the
+    target's next-token distribution after the root path of node i. The cache grows by N+1
+    entries; `compact_cache` then keeps the accepted path only."""
+    B = tokens.shape[0]
+    depth = node_depths(parents)  # [B, N]
+    step_ids = torch.cat([last[:, None], tokens], 1)  # [B, N+1]
+    step_pos = next_pos[:, None] + torch.cat([depth.new_zeros(B, 1), depth], 1)  # [B, N+1]
+    mask = tree_attention_mask(parents, cache.get_seq_length(), past_mask, target.dtype)
+    return target(
+        step_ids,
+        cache=cache,
+        attention_mask=mask,
+        position_ids=step_pos,
+        hidden_layers=hidden_layers,
+    )
+
+
 def _gather_out(out: TargetOutput, keep: Tensor) -> TargetOutput:
     """The tree forward at positions keep [B, m] (what the drafter's commit expects)."""
 
@@ -210,7 +243,7 @@ def generate_tree(
     drafter: Drafter,
     tree: TreeSpec,
     *,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = GREEDY,
     max_new_tokens: int = 64,
     attention_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -252,20 +285,10 @@ def generate_tree(
             tokens = parents = torch.zeros(B, 0, dtype=torch.long, device=device)
             q = None
         N = tokens.shape[1]
-        depth = node_depths(parents)  # [B, N]
         # ---- one target forward over [last, tree] ------------------------------------------
         past_len = cache.get_seq_length()
-        step_ids = torch.cat([last[:, None], tokens], 1)  # [B, N+1]
-        step_pos = next_pos[:, None] + torch.cat([depth.new_zeros(B, 1), depth], 1)  # [B, N+1]
-        mask = tree_attention_mask(parents, past_len, attn, target.dtype)
         t0 = time.perf_counter()
-        out = target(
-            step_ids,
-            cache=cache,
-            attention_mask=mask,
-            position_ids=step_pos,
-            hidden_layers=hidden_layers,
-        )
+        out = tree_forward(target, cache, last, tokens, parents, next_pos, attn, hidden_layers)
         _sync(device)
         result.verify_s += time.perf_counter() - t0
         # ---- verify: accepted path per row, common depth n over unfinished rows -------------
@@ -287,7 +310,7 @@ def generate_tree(
         next_pos = next_pos + n_common + 1
         last = next_tok
         result.rounds += 1
-        result.draft_lens.append(int(depth.max()) if N else 0)
+        result.draft_lens.append(int(node_depths(parents).max()) if N else 0)
         result.tree_sizes.append(N)
         result.accept_counts.append(n_common)
         if max_depth > 0:

@@ -210,6 +210,8 @@ def _path_to(node: Tensor, parents: Tensor, depth: Tensor) -> Tensor:
     B, N = parents.shape
     D = int(depth.max()) if N else 0
     path = torch.full((B, D), -1, dtype=torch.long, device=parents.device)
+    if N == 0:
+        return path
     node_depth = torch.where(node >= 0, depth.gather(1, node.clamp_min(0)[:, None])[:, 0], 0)
     cur = node.clone()
     for d in range(D, 0, -1):

@@ -35,6 +35,7 @@ from decoding.drafter import Sampling
 from decoding.verify import sampling_probs
 
 if TYPE_CHECKING:
+    from decoding.tree import DraftTree, TreeSpec
     from models.eagle import EagleDraft
     from train.target import Target, TargetOutput
 
@@ -128,6 +129,93 @@ class EagleDrafter:
         q_full = q_draft.new_zeros(B, k, self.target_vocab_size)  # [B, k, V]
         q_full[..., self.vocab_ids] = q_draft
         return drafted, q_full
+
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        last_tokens: Tensor,  # [B]
+        tree: TreeSpec,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+        max_depth: int | None = None,
+    ) -> DraftTree:
+        """EAGLE-2 dynamic tree. Level 1: the root's top_k tokens. Each further level: the
+        top_k nodes of the previous level by cumulative draft log-probability are run
+        through the layer together (one call per level; each attends to the real cache and
+        its own ancestors' entries), each gives its top_k children. Finally the num_nodes
+        candidates with the highest cumulative log-probability are kept: a child's score
+        never exceeds its parent's and ties keep the shallower first, so they form a tree.
+        The candidates are a deterministic function of the draft's outputs, so q = None
+        (verified as one-hot drafts; lossless at any temperature, decoding/verify.py)."""
+        from decoding.tree import DraftTree
+
+        if tree.kind != "dynamic":
+            raise ValueError(
+                f"the EAGLE drafter drafts dynamic (EAGLE-2) trees (decode.tree.kind=dynamic), "
+                f"got {tree.kind!r}; static paths are for Medusa heads"
+            )
+        if self.pending_feature is None:
+            raise RuntimeError("EagleDrafter.propose_tree called twice without commit")
+        depth = min(tree.depth, max_depth or tree.depth)
+        tokens = torch.cat([self.pending_tokens, last_tokens[:, None]], dim=1)  # [B, P]
+        B, P = tokens.shape
+        start = self.cache.get_seq_length()
+        h_root = self._run(self.pending_feature, tokens, start)[:, -1:]  # [B, 1, H]
+        self.kept_len = start + P
+        self.pending_feature = self.pending_tokens = None
+        device = tokens.device
+        root_pos = torch.full((B,), self.kept_len - 1, device=device)
+        prefix = torch.ones(B, self.kept_len, dtype=torch.bool, device=device)
+        if self.pad is not None:
+            root_pos = root_pos - self.pad
+            prefix = torch.arange(self.kept_len, device=device)[None, :] >= self.pad[:, None]
+
+        logp = self.model.logits(h_root, self.head).float().log_softmax(-1)[:, 0]  # [B, V_draft]
+        k = min(tree.top_k, logp.shape[-1])
+        score, ids = logp.topk(k, dim=-1)  # [B, k] level-1 candidates
+        cand_ids, cand_score = [ids], [score]
+        cand_parent = [torch.full((B, k), -1, dtype=torch.long, device=device)]
+        level_hidden = h_root.expand(B, k, -1)  # each candidate's input feature: parent's output
+        level_slots = torch.zeros(B, k, 0, dtype=torch.long, device=device)  # beam slot path
+        level_offset = 0  # candidate id of the level's first node
+        for d in range(1, depth):
+            # Expand the level's top-k nodes by cumulative score.
+            level_score = cand_score[-1]
+            best = level_score.topk(k, dim=-1).indices  # [B, k] within the level
+            beam_ids = cand_ids[-1].gather(1, best)
+            beam_score = level_score.gather(1, best)
+            beam_hidden = level_hidden.gather(1, best[..., None].expand(-1, -1, h_root.shape[-1]))
+            slots = level_slots.gather(1, best[..., None].expand(-1, -1, d - 1))
+            slots = torch.cat([slots, torch.arange(k, device=device).expand(B, k)[..., None]], -1)
+            # The new entries see the real prefix and, per earlier level, their ancestor's slot.
+            tree_mask = torch.nn.functional.one_hot(slots, k).flatten(-2).bool()  # [B, k, d*k]
+            mask = torch.cat([prefix[:, None].expand(B, k, -1), tree_mask], -1)[:, None]
+            target_ids = beam_ids if self.vocab_ids is None else self.vocab_ids[beam_ids]
+            h = self.model.step(
+                beam_hidden, self.embed(target_ids), root_pos[:, None] + d, self.cache, mask
+            )  # [B, k, H]
+            child_logp = self.model.logits(h, self.head).float().log_softmax(-1)  # [B, k, V_d]
+            top, child = child_logp.topk(k, dim=-1)  # [B, k, k]
+            cand_ids.append(child.flatten(1))
+            cand_score.append((beam_score[..., None] + top).flatten(1))
+            parent = level_offset + best  # candidate ids of the expanded nodes
+            cand_parent.append(parent[..., None].expand(B, k, k).flatten(1))
+            level_hidden = h[:, :, None].expand(B, k, k, -1).flatten(1, 2)
+            level_slots = slots[:, :, None].expand(B, k, k, d).flatten(1, 2)
+            level_offset += cand_ids[-2].shape[1]
+        ids, score, parent = (torch.cat(x, 1) for x in (cand_ids, cand_score, cand_parent))
+        # Rerank: stable sort keeps earlier (shallower) candidates first among equal scores.
+        n = min(tree.num_nodes, ids.shape[1])
+        keep = score.sort(dim=-1, descending=True, stable=True).indices[:, :n]
+        keep = keep.sort(dim=-1).values  # [B, n] candidate order: parents before children
+        new_id = torch.full_like(parent, -1).scatter_(
+            1, keep, torch.arange(n, device=device).expand(B, n)
+        )
+        kept_parent = parent.gather(1, keep)
+        parents = torch.where(kept_parent >= 0, new_id.gather(1, kept_parent.clamp_min(0)), -1)
+        kept = ids.gather(1, keep)
+        node_tokens = kept if self.vocab_ids is None else self.vocab_ids[kept]
+        return DraftTree(node_tokens, parents, None)
 
     @torch.no_grad()
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:

@@ -252,7 +252,7 @@ def from_target(
 
 
 class MedusaDrafter:
-    """Chain drafting from Medusa heads.
+    """Chain and static-tree drafting from Medusa heads (trees: `propose_tree`, docs/tree.md).
 
     Alignment at the start of a round: the newest token c (`last_tokens`) is known but not
     yet in the target's cache, so the newest target feature is h_t of the position BEFORE
@@ -330,13 +330,17 @@ class MedusaDrafter:
         logits = torch.stack(heads, dim=1).float()  # [B, D, V]
         batch, _, vocab = logits.shape
         if ranks > vocab:
-            raise ValueError(f"tree asks for candidate rank {ranks - 1} of a {vocab}-token vocabulary")
+            raise ValueError(
+                f"tree asks for candidate rank {ranks - 1} of a {vocab}-token vocabulary"
+            )
         q_nodes = None
         if sampling.greedy:
             cand = logits.topk(ranks, dim=-1).indices  # [B, D, R]
         else:
             q = sampling_probs(logits, sampling)  # [B, D, V], the verifier's own transform
-            cand, q_rank = _draw_without_replacement(q, logits, ranks, generator)  # [B,D,R], [B,D,R,V]
+            cand, q_rank = _draw_without_replacement(
+                q, logits, ranks, generator
+            )  # [B,D,R], [B,D,R,V]
         node_depth = torch.tensor([len(p) - 1 for p in paths], device=logits.device)  # head ids
         node_rank = torch.tensor([p[-1] for p in paths], device=logits.device)
         tokens = cand[:, node_depth, node_rank]  # [B, N]

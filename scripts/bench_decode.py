@@ -15,7 +15,15 @@ target: its first --draft-layers decoder layers + the final norm + the tied head
 tokenizer by construction). It is a weak draft; it is the same one for ours and HF's.
 τ for transformers = new tokens / target forwards (its first forward also verifies).
 
+Trained heads (checkpoint directories, train/checkpoint.py; `fresh` = untrained heads, for
+smoke runs only) add chain vs tree rows (decoding/tree.py):
+  ours_medusa_chain / ours_medusa_static     Medusa heads, k-chain / static tree (--paths)
+  ours_eagle_chain / ours_eagle_dynamic      EAGLE heads, k-chain / EAGLE-2 dynamic tree
+`--methods` keeps only the named rows (hf_generate and ours_ar are always measured).
+
     .venv/bin/python scripts/bench_decode.py --out runs/bench/decode.json
+    .venv/bin/python scripts/bench_decode.py --methods none --medusa runs/medusa_kl/seed0/checkpoints/step_00000200 \
+        --eagle runs/eagle_tv/seed0/checkpoints/step_00000200 --out runs/bench/tree.json
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from decoding.drafter import Sampling  # noqa: E402
 from decoding.drafters import DraftLMDrafter, NgramDrafter  # noqa: E402
 from decoding.metrics import greedy_match  # noqa: E402
 from decoding.spec import generate  # noqa: E402
+from decoding.tree import TreeSpec  # noqa: E402
 from train.target import Target, build_tiny_random, load_smollm2, resolve_dtype  # noqa: E402
 
 PROMPTS = [  # code / prose / qa, with some text to copy so prompt lookup has a chance
@@ -68,6 +77,23 @@ def truncated_draft(target: Target, first: int, last: int = 0) -> LlamaForCausal
     draft.tie_weights()
     draft.generation_config = GenerationConfig(**target.model.generation_config.to_dict())
     return draft.eval().requires_grad_(False)
+
+
+def load_heads(kind: str, path: str, target: Target) -> torch.nn.Module:
+    """A trained Medusa / EAGLE draft from a checkpoint dir (or untrained: 'fresh'), in the
+    target's dtype and device."""
+    if path == "fresh":
+        from models import eagle, medusa
+
+        if kind == "medusa":
+            model = medusa.from_target(target)
+        else:  # full vocabulary: a reduced one needs the training data's token counts
+            model = eagle.from_target(target, None, vocab_size="full")
+    else:
+        from train.checkpoint import load_draft
+
+        model = load_draft(path, target)
+    return model.to(device=target.device, dtype=target.dtype).eval()
 
 
 def count_calls(module: torch.nn.Module) -> list[int]:
@@ -112,6 +138,9 @@ def bench(
     k: int,
     max_new: int,
     seed: int,
+    heads: dict[str, torch.nn.Module] | None = None,  # "medusa" / "eagle" -> draft model
+    trees: dict[str, TreeSpec] | None = None,  # "static" / "dynamic" -> tree spec
+    keep: list[str] | None = None,  # methods to run besides hf_generate and ours_ar
 ) -> list[dict]:
     device = target.device
     model = target.model
@@ -141,11 +170,18 @@ def bench(
 
         return fn
 
-    def ours(drafter):
+    def ours(drafter, tree=None):
         def fn(ids, i):
             g = torch.Generator(device=device).manual_seed(seed + i)
             r = generate(
-                target, ids, drafter, k=k, sampling=sampling, max_new_tokens=max_new, generator=g
+                target,
+                ids,
+                drafter,
+                k=k,
+                sampling=sampling,
+                max_new_tokens=max_new,
+                generator=g,
+                tree=tree,
             )
             return r.sequences[0], {
                 "accepted": sum(r.accept_counts),
@@ -156,6 +192,7 @@ def bench(
                 "draft_s": r.draft_s,
                 "verify_s": r.verify_s,
                 "overhead_s": r.overhead_s,
+                "tree_nodes": sum(n for n, d in zip(r.tree_sizes, r.draft_lens) if d > 0),
             }
 
         return fn
@@ -176,6 +213,20 @@ def bench(
             hf({"gen": {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3}}),
         ),
     ]
+    heads, trees = heads or {}, trees or {}
+    if "medusa" in heads:
+        methods.append(("ours_medusa_chain", ours(heads["medusa"].make_drafter(target))))
+        methods.append(
+            ("ours_medusa_static", ours(heads["medusa"].make_drafter(target), trees["static"]))
+        )
+    if "eagle" in heads:
+        methods.append(("ours_eagle_chain", ours(heads["eagle"].make_drafter(target))))
+        methods.append(
+            ("ours_eagle_dynamic", ours(heads["eagle"].make_drafter(target), trees["dynamic"]))
+        )
+    if keep is not None:  # the two references and the head rows always run
+        keep = {"hf_generate", "ours_ar", *keep, *(m for m, _ in methods[6:])}
+        methods = [m for m in methods if m[0] in keep]
     draft.generation_config.update(**assist_gen)
     results = [run_method(name, fn, prompts, device, warm) for name, fn in methods]
     ref, ar = results[0], results[1]
@@ -198,6 +249,8 @@ def bench(
             r["overhead_share"] = sum(x["overhead_s"] for x in info) / loop_s
             r["draft_share"] = sum(x["draft_s"] for x in info) / sum(x["total_s"] for x in info)
             r["ms_per_round"] = 1e3 * loop_s / sum(x["rounds"] for x in info)
+            nodes = sum(x["tree_nodes"] for x in info)
+            r["tree_size"] = nodes / rounds if nodes else None
         else:
             r["tau"] = r["new_tokens"] / sum(x["target_forwards"] for x in info)
         r["sequences"] = [s[:16] for s in r["sequences"]]  # keep the JSON small
@@ -210,15 +263,17 @@ def markdown(all_results: dict) -> str:
         lines += [
             f"\n**{label}**\n",
             "| method | tokens/s | τ | speedup vs HF generate | speedup vs our AR "
-            "| greedy match | overhead share |",
-            "|---|---|---|---|---|---|---|",
+            "| greedy match | overhead share | tree size |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in results:
             gm = "-" if r["greedy_match_rate"] is None else f"{r['greedy_match_rate']:.3f}"
             oh = f"{r['overhead_share']:.3f}" if "overhead_share" in r else "-"
+            ts = f"{r['tree_size']:.1f}" if r.get("tree_size") else "-"
             lines.append(
                 f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['tau']:.2f} | "
-                f"{r['speedup_vs_hf_generate']:.2f} | {r['speedup_vs_ours_ar']:.2f} | {gm} | {oh} |"
+                f"{r['speedup_vs_hf_generate']:.2f} | {r['speedup_vs_ours_ar']:.2f} | {gm} | {oh} "
+                f"| {ts} |"
             )
     return "\n".join(lines)
 
@@ -239,6 +294,15 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench/decode.json")
+    ap.add_argument("--medusa", help="Medusa checkpoint dir, or 'fresh' (untrained, smoke only)")
+    ap.add_argument("--eagle", help="EAGLE checkpoint dir, or 'fresh' (untrained, smoke only)")
+    ap.add_argument("--paths", help="static tree paths as JSON, e.g. '[[0],[1],[0,0]]'")
+    ap.add_argument("--tree-depth", type=int, default=4, help="dynamic tree levels")
+    ap.add_argument("--tree-top-k", type=int, default=4, help="dynamic tree branching")
+    ap.add_argument("--tree-nodes", type=int, default=16, help="dynamic tree nodes kept")
+    ap.add_argument(
+        "--methods", nargs="+", help="keep only these rows (+ hf_generate, ours_ar, heads); 'none'"
+    )
     args = ap.parse_args()
 
     dtype = resolve_dtype(args.dtype)
@@ -250,6 +314,16 @@ def main() -> None:
         )
     draft = truncated_draft(target, args.draft_layers, args.draft_last_layers)
     tok = target.tokenizer
+    heads = {}
+    for kind, path in (("medusa", args.medusa), ("eagle", args.eagle)):
+        if path:
+            heads[kind] = load_heads(kind, path, target)
+    trees = {
+        "static": TreeSpec(paths=json.loads(args.paths)) if args.paths else TreeSpec(),
+        "dynamic": TreeSpec(
+            kind="dynamic", depth=args.tree_depth, top_k=args.tree_top_k, num_nodes=args.tree_nodes
+        ),
+    }
 
     def encode(text: str) -> torch.Tensor:
         ids = tok.apply_chat_template(
@@ -268,8 +342,9 @@ def main() -> None:
             f"first {args.draft_layers} + last {args.draft_last_layers}"
         )
         all_results[label] = bench(
-            target, draft, prompts, warm, sampling, args.k, args.max_new_tokens, args.seed
-        )
+            target, draft, prompts, warm, sampling, args.k, args.max_new_tokens, args.seed,
+            heads=heads, trees=trees, keep=args.methods,
+        )  # fmt: skip
         print(markdown({label: all_results[label]}), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,11 @@ def _table_rows(markdown: str) -> dict[str, dict[str, str]]:
 
 def test_sweep_writes_one_run_dir_per_job(sweep):
     dirs = sorted(p.parent for p in sweep.rglob("summary.json"))
-    expected = [sweep / "debug" / f"loss={loss},{VARIANT}" / f"seed{s}" for loss in ("ce", "tv") for s in (0, 1)]
+    expected = [
+        sweep / "debug" / f"loss={loss},{VARIANT}" / f"seed{s}"
+        for loss in ("ce", "tv")
+        for s in (0, 1)
+    ]
     assert dirs == expected
     for d in dirs:
         cfg = yaml.safe_load((d / "config.yaml").read_text())
@@ -117,7 +121,9 @@ def test_compare_table_matches_run_summaries(sweep, tmp_path):
         mean, half = _ci95([e["speedup"] for e in evals])
         assert row["speedup (greedy)"] == f"{mean:.3f} ± {half:.3f}"
         for i in range(4):
-            assert row[f"α_{i + 1}"] == f"{statistics.fmean(e['greedy/alpha'][i] for e in evals):.3f}"
+            assert (
+                row[f"α_{i + 1}"] == f"{statistics.fmean(e['greedy/alpha'][i] for e in evals):.3f}"
+            )
         mean, half = _ci95([e["greedy/proxy_tau"] for e in evals])
         assert row["proxy τ"] == f"{mean:.3f} ± {half:.3f}"
         mean, half = _ci95([s["wall_s"] for s in summaries])
@@ -216,7 +222,10 @@ def test_wandb_run_settings_and_summary(sweep):
     cfg = {"name": "x", "seed": 3, "run_dir": "/tmp/somewhere", "draft": {"kind": "medusa"},
            "loss": {"name": "tv"}, "data": {"source": "/d/chat.jsonl", "regenerate": False}}  # fmt: skip
     ws = wandb_run_settings(cfg)
-    assert ws["group"] == "x/medusa-tv-chat.jsonl-orig" and ws["name"] == "x/medusa-tv-chat.jsonl-orig/seed3"
+    assert (
+        ws["group"] == "x/medusa-tv-chat.jsonl-orig"
+        and ws["name"] == "x/medusa-tv-chat.jsonl-orig/seed3"
+    )
 
 
 def test_notebook_is_stripped_and_runs_on_the_sweep(sweep, monkeypatch):

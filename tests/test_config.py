@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
@@ -16,7 +17,9 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 def _compose(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+        cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # as @hydra.main does: run_dir reads ${hydra:job...}
+    return cfg
 
 
 def _targets(node, path=""):
@@ -65,3 +68,13 @@ def test_unknown_experiment_lists_the_available_ones():
     assert proc.returncode != 0
     assert "no_such_thing" in proc.stderr and "Available options" in proc.stderr
     assert EXPERIMENTS[0] in proc.stderr
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_sets_only_known_train_and_decode_keys(name):
+    # Hydra accepts new keys silently; a misspelt or retired key would simply do nothing.
+    base = OmegaConf.load(CONF / "train.yaml")
+    decode_keys = {k for f in (CONF / "decode").glob("*.yaml") for k in OmegaConf.load(f)}
+    exp = OmegaConf.load(CONF / "experiment" / f"{name}.yaml")
+    assert set(exp.get("train", {}).keys()) <= set(base.train.keys()), name
+    assert set(exp.get("decode", {}).keys()) <= decode_keys, name

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from decoding.drafter import Sampling
 from train.target import Target, resolve_dtype
@@ -40,6 +40,11 @@ def evaluate_checkpoint(
     dec = cfg.decode
     dtype = resolve_dtype(dec.get("dtype", "bfloat16"))
     k = int(dec.get("k", 4))
+    tree = None  # decode=tree_static / tree_dynamic: draft trees (decoding/tree.py)
+    if dec.get("tree") is not None:
+        from decoding.tree import TreeSpec
+
+        tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
     if target_eval is None:
         target_eval = decode_copy(target, dtype)
     draft_eval = copy.deepcopy(draft).to(dtype).eval()
@@ -71,6 +76,7 @@ def evaluate_checkpoint(
                 warmup=int(dec.get("warmup", 1)),
                 seed=int(dec.get("seed", cfg.seed)),
                 adaptive_k=bool(dec.get("adaptive_k", False)),
+                tree=tree,
             )
         tag = "greedy" if sampling.greedy else f"T{temp:g}"
         for key, value in m.items():

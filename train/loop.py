@@ -38,6 +38,7 @@ from train.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, 
 from train.data import collate, prepare_data
 from train.evaluate import evaluate_checkpoint
 from train.losses import LOSSES, acceptance_proxy, simulated_tau, top1_agreement
+from train.replay import Replay
 
 
 class TrainingDiverged(RuntimeError):
@@ -198,6 +199,14 @@ def run(cfg: DictConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(oc.warmup_steps, tc.steps, oc.min_lr_ratio)
     )
+    replay = None  # on-policy replay of the draft's own rollouts (train/replay.py)
+    if cfg.get("replay") is not None and cfg.replay.enabled:
+        replay_args = OmegaConf.to_container(cfg.replay, resolve=True)
+        del replay_args["enabled"]
+        replay = Replay(
+            train_rows, offsets=offsets, pad_token_id=pad_id, seed=cfg.seed, rank=rank,
+            world_size=world, loss_temperature=float(cfg.loss.temperature), **replay_args,
+        )  # fmt: skip
 
     start_step = 0
     if resume_from is not None:
@@ -216,6 +225,8 @@ def run(cfg: DictConfig) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"][rank])
+        if replay is not None and state.get("replay"):
+            replay.load_state_dict(state["replay"][rank])
         start_step = state["step"]
     draft, optimizer = accelerator.prepare(draft, optimizer)  # scheduler stepped by hand
     core = accelerator.unwrap_model(draft)
@@ -288,6 +299,12 @@ def run(cfg: DictConfig) -> dict:
             3 * n_off + 2, device=accelerator.device
         )  # loss, alpha, top1 sums; aux; tokens
         t_target = 0.0
+        replay_share = 0.0  # replay's share of the loss; the offline part gets 1 - share
+        if replay is not None:  # own rollouts + backward, before the syncing micro-batch
+            replay.maybe_rollout(step, target, core)
+            with accelerator.no_sync(draft):
+                offline = float(counts[0]) / world  # this rank's share, for the log
+                replay_share = replay.backward(step, draft, core, target, accelerator, offline)
         for a, b in enumerate(micro):
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -306,7 +323,7 @@ def run(cfg: DictConfig) -> dict:
                 loss = _offset_losses(
                     out, t_out.logits, b, offsets, counts, loss_fn, temperature, cfg, stats
                 )
-                loss = loss * world
+                loss = loss * world * (1.0 - replay_share)
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss / tc.grad_accum
                     stats[3 * n_off] += out.aux_loss.detach().float() / tc.grad_accum
@@ -339,6 +356,8 @@ def run(cfg: DictConfig) -> dict:
         bar.update(1)
         if done % tc.log_every == 0 or done == tc.steps:
             rec = window.flush(done, scheduler.get_last_lr()[0], k_decode, offsets)
+            if replay is not None:
+                rec.update(replay.flush())
             bar.set_postfix(loss=f"{rec['loss']:.4f}", alpha=f"{rec['alpha'][0]:.3f}")
             log(rec)
             proxy = rec
@@ -346,6 +365,7 @@ def run(cfg: DictConfig) -> dict:
             # Collectives first, on every rank (FSDP gathers the full state dict here).
             draft_state = accelerator.get_state_dict(draft)
             rng_all = gather_object([_rng_state()])  # one entry per rank
+            replay_all = gather_object([replay.state_dict()]) if replay is not None else None
             if main:
                 state = {
                     "step": done,
@@ -354,6 +374,7 @@ def run(cfg: DictConfig) -> dict:
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
                     "rng": rng_all,
+                    "replay": replay_all,  # every rank's buffer
                 }
                 last_ckpt = str(
                     save_checkpoint(

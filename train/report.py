@@ -103,11 +103,8 @@ def load_run(path: str | Path) -> Run:
     config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
     summary = json.loads((path / "summary.json").read_text())
     metrics = path / "metrics.jsonl"
-    records = (
-        [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        if metrics.is_file()
-        else []
-    )
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    records = [json.loads(x) for x in lines if x.strip()]
     return Run(path, config, summary, records, flatten(config))
 
 
@@ -121,11 +118,8 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
             if (m / "summary.json").is_file():
                 dirs.append(m)
             elif m.is_dir():
-                dirs += sorted(
-                    p.parent
-                    for p in m.rglob("summary.json")
-                    if (p.parent / "config.yaml").is_file()
-                )
+                found = (p.parent for p in m.rglob("summary.json"))
+                dirs += sorted(d for d in found if (d / "config.yaml").is_file())
             else:
                 raise FileNotFoundError(
                     f"{m} does not exist; pass run directories or a glob such as 'runs/eagle_tv/**'"
@@ -302,15 +296,20 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
 # -- plots ----------------------------------------------------------------------------
 
 
-def _short_labels(groups: list[Group]) -> list[str]:
-    """With one group key the legend shows its values only (the key goes in the title)."""
+def _labels(groups: list[Group]) -> tuple[list[str], str | None]:
+    """Legend labels and title: with one group key the labels are its values, the title
+    its name."""
     if groups and len(groups[0].values) == 1:
-        return [str(next(iter(g.values.values()))) for g in groups]
-    return [g.label for g in groups]
+        return [str(next(iter(g.values.values()))) for g in groups], next(iter(groups[0].values))
+    return [g.label for g in groups], None
 
 
-def _legend_title(groups: list[Group]) -> str | None:
-    return next(iter(groups[0].values)) if groups and len(groups[0].values) == 1 else None
+def _finish(fig, ax, title: str | None, xlabel: str, ylabel: str, heading: str):
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=heading)
+    ax.grid(alpha=0.3)
+    ax.legend(title=title, fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def plot_tau_vs_step(groups: list[Group]):
@@ -319,32 +318,21 @@ def plot_tau_vs_step(groups: list[Group]):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (g, label) in enumerate(zip(groups, _short_labels(groups))):
-        color = f"C{i % 10}"
+    labels, title = _labels(groups)
+    for i, (g, label) in enumerate(zip(groups, labels)):
         by_step: dict[int, list[float]] = {}
         for run in g.runs:
             pts = [(e["step"], e["tau"]) for e in run.evals if e.get("tau") is not None]
             if pts:
-                ax.plot(*zip(*pts), color=color, alpha=0.3, lw=0.8, marker=".")
+                ax.plot(*zip(*pts), color=f"C{i % 10}", alpha=0.3, lw=0.8, marker=".")
             for step, tau in pts:
                 by_step.setdefault(step, []).append(tau)
         steps = sorted(s for s, v in by_step.items() if len(v) == len(g.runs))
-        if steps:
-            ax.plot(
-                steps,
-                [statistics.fmean(by_step[s]) for s in steps],
-                color=color,
-                lw=2.2,
-                marker="o",
-                label=f"{label} (n={len(g.runs)})",
-            )
-    ax.set_xlabel("training step")
-    ax.set_ylabel("τ (tokens / verify forward)")
-    ax.set_title("τ at each checkpoint (thin: runs, thick: mean)")
-    ax.grid(alpha=0.3)
-    ax.legend(title=_legend_title(groups), fontsize=8)
-    fig.tight_layout()
-    return fig
+        means = [statistics.fmean(by_step[s]) for s in steps]
+        style = {"color": f"C{i % 10}", "lw": 2.2, "marker": "o"}
+        ax.plot(steps, means, **style, label=f"{label} (n={len(g.runs)})")
+    heading = "τ at each checkpoint (thin: runs, thick: mean)"
+    return _finish(fig, ax, title, "training step", "τ (tokens / verify forward)", heading)
 
 
 def plot_acceptance_per_position(groups: list[Group]):
@@ -353,34 +341,23 @@ def plot_acceptance_per_position(groups: list[Group]):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    labels, title = _labels(groups)
     head = None
-    for i, (g, label) in enumerate(zip(groups, _short_labels(groups))):
+    for i, (g, label) in enumerate(zip(groups, labels)):
         head = eval_tags(g.runs[0].final_eval)[0] if g.runs[0].final_eval else head
         lists = [r.final_eval.get(f"{head}/alpha") or [] for r in g.runs]
         k = max((len(x) for x in lists), default=0)
         stats = [mean_ci([x[j] for x in lists if j < len(x)]) for j in range(k)]
-        pos = [j + 1 for j, s in enumerate(stats) if s["mean"] is not None]
-        means = [s["mean"] for s in stats if s["mean"] is not None]
-        errs = [s["ci95"] or 0.0 for s in stats if s["mean"] is not None]
-        offset = (i - (len(groups) - 1) / 2) * 0.06  # keep error bars of groups apart
-        ax.errorbar(
-            [p + offset for p in pos],
-            means,
-            yerr=errs,
-            marker="o",
-            capsize=3,
-            color=f"C{i % 10}",
-            label=label,
-        )
-    ax.set_xlabel("draft position i")
+        shown = [(j + 1, s) for j, s in enumerate(stats) if s["mean"] is not None]
+        shift = (i - (len(groups) - 1) / 2) * 0.06  # keep the error bars of groups apart
+        x = [pos + shift for pos, _ in shown]
+        y, err = [s["mean"] for _, s in shown], [s["ci95"] or 0.0 for _, s in shown]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=label)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylabel("α_i = P(accept i | 1..i−1 accepted)")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"Per-position acceptance ({head}, final eval, mean ± 95% CI)")
-    ax.grid(alpha=0.3)
-    ax.legend(title=_legend_title(groups), fontsize=8)
-    fig.tight_layout()
-    return fig
+    heading = f"Per-position acceptance ({head}, final eval, mean ± 95% CI)"
+    ylabel = "α_i = P(accept i | 1..i−1 accepted)"
+    return _finish(fig, ax, title, "draft position i", ylabel, heading)
 
 
 def plot_proxy_vs_measured(groups: list[Group]):
@@ -389,37 +366,26 @@ def plot_proxy_vs_measured(groups: list[Group]):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.2, 5.0))
-    markers = {}
-    lo, hi = 1.0, 1.0
-    for i, (g, label) in enumerate(zip(groups, _short_labels(groups))):
-        for run_idx, run in enumerate(g.runs):
-            for e in run.evals:
-                for tag in eval_tags(e):
-                    proxy, tau = e.get(f"{tag}/proxy_tau"), e.get(f"{tag}/tau")
-                    if proxy is None or tau is None:
-                        continue
-                    marker = markers.setdefault(tag, "o^sDv<>"[len(markers) % 7])
-                    first = run_idx == 0 and e is run.evals[0] and tag == eval_tags(e)[0]
-                    ax.scatter(
-                        proxy,
-                        tau,
-                        color=f"C{i % 10}",
-                        marker=marker,
-                        alpha=0.75,
-                        s=28,
-                        label=label if first else None,
-                    )
-                    lo, hi = min(lo, proxy, tau), max(hi, proxy, tau)
+    labels, title = _labels(groups)
+    markers: dict[str, str] = {}
+    lo = hi = 1.0
+    for i, (g, label) in enumerate(zip(groups, labels)):
+        points: dict[str, list[tuple[float, float]]] = {}  # tag -> [(proxy, measured)]
+        for e in (e for run in g.runs for e in run.evals):
+            for tag in eval_tags(e):
+                if e.get(f"{tag}/proxy_tau") is not None and e.get(f"{tag}/tau") is not None:
+                    points.setdefault(tag, []).append((e[f"{tag}/proxy_tau"], e[f"{tag}/tau"]))
+        for n, (tag, pts) in enumerate(points.items()):
+            marker = markers.setdefault(tag, "o^sDv<>"[len(markers) % 7])
+            style = {"color": f"C{i % 10}", "marker": marker, "alpha": 0.75, "s": 28}
+            ax.scatter(*zip(*pts), **style, label=label if n == 0 else None)
+            lo, hi = min(lo, *(min(p) for p in pts)), max(hi, *(max(p) for p in pts))
     ax.plot([lo, hi + 0.1], [lo, hi + 0.1], color="0.5", ls="--", lw=1, label="proxy = measured")
-    ax.set_xlabel("proxy τ (simulated from training α / top-1)")
-    ax.set_ylabel("measured τ (decoder)")
-    ax.set_title(
+    heading = (
         "Proxy-predicted vs measured τ (" + ", ".join(f"{m} {t}" for t, m in markers.items()) + ")"
     )
-    ax.grid(alpha=0.3)
-    ax.legend(title=_legend_title(groups), fontsize=8)
-    fig.tight_layout()
-    return fig
+    xlabel = "proxy τ (simulated from training α / top-1)"
+    return _finish(fig, ax, title, xlabel, "measured τ (decoder)", heading)
 
 
 PLOTS = {
@@ -465,12 +431,6 @@ def data_mode(data: dict | DictConfig) -> str:
     return f"{name}-{'regen' if data.get('regenerate', True) else 'orig'}"
 
 
-def _temperature_tags(decode: dict | DictConfig) -> list[str]:
-    temps = [float(t) for t in decode.get("temperatures", [0.0])]
-    tags = ["greedy" if t == 0.0 else f"T{t:g}" for t in temps]
-    return sorted(tags, key=lambda t: t != "greedy")
-
-
 def wandb_run_settings(cfg: DictConfig | dict) -> dict:
     """W&B `name`, `group`, `tags` of a run and the `summary_keys` wandb_summary will fill.
 
@@ -478,30 +438,24 @@ def wandb_run_settings(cfg: DictConfig | dict) -> dict:
     conf/train.yaml puts into run_dir (runs/<name>/<overrides>/seed<N>); a run_dir outside
     that scheme groups by draft kind, loss and data mode instead. Tags make every axis
     filterable in W&B's run table."""
-    get = (
-        (lambda key: OmegaConf.select(cfg, key))
-        if isinstance(cfg, DictConfig)
-        else (lambda key: flatten(cfg).get(key))
-    )
-    exp, seed = str(get("name")), int(get("seed") or 0)
-    kind, loss = str(get("draft.kind")), str(get("loss.name"))
-    data = data_mode(
-        {
-            "source": get("data.source") or "embedded",
-            "regenerate": get("data.regenerate") is not False,
-        }
-    )
-    parts = PurePosixPath(str(get("run_dir"))).parts
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    flat = flatten(cfg)
+    exp, seed = str(flat.get("name")), int(flat.get("seed") or 0)
+    kind, loss = str(flat.get("draft.kind")), str(flat.get("loss.name"))
+    data = data_mode(cfg.get("data") or {})
+    parts = PurePosixPath(str(flat.get("run_dir"))).parts
     if parts and parts[-1] == f"seed{seed}" and exp in parts[:-1]:
-        at = len(parts) - 2 - parts[:-1][::-1].index(exp)
+        at = len(parts) - 2 - parts[:-1][::-1].index(exp)  # the last `exp` before seed<N>
         group = "/".join([exp, *parts[at + 1 : -1]])
     else:
         group = f"{exp}/{kind}-{loss}-{data}"
-    k = int(get("decode.k") or 4)
+    temps = [float(t) for t in flat.get("decode.temperatures") or [0.0]]
+    tags = sorted(("greedy" if t == 0.0 else f"T{t:g}" for t in temps), key=lambda t: t != "greedy")
     keys = ["final/tau", "final/speedup", "final/train_wall_s", "final/loss", "final/sim_tau"]
-    for tag in _temperature_tags({"temperatures": get("decode.temperatures") or [0.0]}):
+    for tag in tags:  # as train/evaluate.py names them
         keys += [f"final/{tag}/{m}" for m in ("tau", "speedup", "proxy_tau")]
-        keys += [f"final/{tag}/alpha_{i}" for i in range(1, k + 1)]
+        keys += [f"final/{tag}/alpha_{i}" for i in range(1, int(flat.get("decode.k") or 4) + 1)]
     return {
         "name": f"{group}/seed{seed}",
         "group": group,

@@ -1,0 +1,466 @@
+"""Tree drafting and verification (decoding/tree.py, tree parts of decoding/verify.py).
+
+- tree verification by exact enumeration: greedy on a hand-built tree; the sampling step's
+  output distribution equals p for i.i.d., without-replacement and deterministic siblings
+  (and a misapplied rule does not); two levels deep, the second token follows p given the first;
+- the target's tree forward equals fresh forwards over each node's root path, and after KV
+  compaction the next logits and the whole cache equal a fresh forward over the sequence;
+- greedy tree decoding == the target's greedy output (fp32) for several tree shapes, with an
+  oracle drafter, Medusa heads (static trees) and EAGLE heads (dynamic EAGLE-2 trees);
+- sampling at T=1 through the whole loop matches the target's exact distribution (G-test).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoding.drafter import Sampling
+from decoding.drafters import NgramDrafter
+from decoding.metrics import evaluate
+from decoding.spec import generate
+from decoding.tree import (
+    DEFAULT_PATHS,
+    DraftTree,
+    TreeSpec,
+    ancestor_mask,
+    compact_cache,
+    static_parents,
+    static_tree,
+    tree_forward,
+)
+from decoding.verify import node_depths, tree_greedy_verify, tree_rejection_verify
+from models import eagle, medusa
+from tests.test_spec import (
+    PROMPTS,
+    exact_triples,
+    g_test,
+    hf_greedy,
+    left_pad,
+    make_target,
+    prompt_ids,
+)
+
+torch.set_num_threads(1)
+V = 128
+SHAPES = {
+    "default": DEFAULT_PATHS,
+    "chain": ((0,), (0, 0), (0, 0, 0)),
+    "wide": ((0,), (1,), (2,), (3,), (4,), (5,)),
+    "uneven": ((0,), (1,), (1, 0), (1, 1), (1, 1, 0), (1, 1, 0, 0), (2,), (2, 0)),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def refs(target):
+    return [hf_greedy(target, prompt_ids(target, p), 24, []) for p in PROMPTS]
+
+
+# -- structures ------------------------------------------------------------------------------
+def test_static_tree_order_parents_depths_and_mask():
+    paths = ((1, 0), (0,), (1,), (0, 0), (1, 0, 2))
+    assert static_tree(paths) == ((0,), (1,), (0, 0), (1, 0), (1, 0, 2))
+    parents = torch.tensor([static_parents(paths)])
+    assert parents.tolist() == [[-1, -1, 0, 1, 3]]
+    assert node_depths(parents).tolist() == [[1, 1, 2, 2, 3]]
+    mask = ancestor_mask(parents)[0].int()  # rows/cols: root, nodes 0..4
+    assert mask.tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 0, 1, 0, 1, 0],
+        [1, 0, 1, 0, 1, 1],
+    ]
+    with pytest.raises(ValueError, match="no parent path"):
+        TreeSpec(paths=((0,), (1, 0)))
+    with pytest.raises(ValueError, match="kind"):
+        TreeSpec(kind="beam")
+    assert TreeSpec(paths=[[0], [0, 0]]).paths == ((0,), (0, 0))  # YAML lists accepted
+
+
+# -- verification: exact ----------------------------------------------------------------------
+def test_greedy_tree_verify_takes_the_longest_matching_path():
+    tokens = torch.tensor([[5, 7, 3, 9, 4, 8], [5, 7, 3, 9, 4, 8]])
+    parents = torch.tensor([[-1, -1, 0, 1, 1, 4]] * 2)
+    # Argmax at [root, node0..node5]. Row 0: root->7 (node1), node1->4 (node4), node4->8
+    # (node5), node5->2 (bonus). Row 1: root->6, nothing accepted, correction 6.
+    target_tokens = torch.tensor([[7, 3, 4, 0, 0, 8, 2], [6, 3, 4, 0, 0, 8, 2]])
+    res = tree_greedy_verify(tokens, parents, target_tokens)
+    assert res.num_accepted.tolist() == [3, 0]
+    assert res.path.tolist() == [[1, 4, 5], [-1, -1, -1]]
+    assert res.next_token.tolist() == [2, 6]
+
+
+def sibling_schemes(q: torch.Tensor, m: int):
+    """Yield (probability, sibling tokens, per-sibling q_j or None) for every draw."""
+    V = q.shape[0]
+    yield "deterministic", [(1.0, q.topk(m).indices.tolist(), None)]
+    iid = []
+    for xs in itertools.product(range(V), repeat=m):
+        iid.append((float(torch.prod(q[list(xs)])), list(xs), q.expand(m, V)))
+    yield "iid", iid
+    wor = []
+    for xs in itertools.permutations(range(V), m):
+        prob, qs, left = 1.0, [], q.clone()
+        for x in xs:
+            qs.append(left / left.sum())
+            prob *= float(qs[-1][x])
+            left[x] = 0
+        wor.append((prob, list(xs), torch.stack(qs)))
+    yield "without_replacement", wor
+
+
+def one_level_output(p, tokens, q_nodes):
+    """Exact distribution of the emitted token for a root with len(tokens) children:
+    thresholds a_j read off tree_rejection_verify (all rejected: u = 1), checked by
+    accepting each child with u just below its threshold."""
+    m, V = len(tokens), p.shape[0]
+    P = p.expand(1, m + 1, V)
+    toks = torch.tensor([tokens])
+    parents = torch.full((1, m), -1)
+    Q = None if q_nodes is None else q_nodes[None]
+    res, dist = tree_rejection_verify(toks, parents, Q, P, uniforms=torch.ones(1, m, dtype=p.dtype))
+    a = res.accept_prob[0]
+    assert res.num_accepted.item() == 0 and not torch.isnan(a).any()
+    out, reach = torch.zeros(V, dtype=p.dtype), 1.0
+    for j in range(m):
+        if a[j] > 0:
+            u = torch.ones(1, m, dtype=p.dtype)
+            u[0, j] = a[j] * (1 - 1e-9)
+            hit, _ = tree_rejection_verify(toks, parents, Q, P, uniforms=u)
+            assert hit.path.tolist() == [[j]]
+        out[tokens[j]] += reach * a[j]
+        reach *= 1 - float(a[j])
+    return out + reach * dist[0]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_sibling_sampling_step_outputs_exactly_p(m):
+    g = torch.Generator().manual_seed(m)
+    p = torch.rand(4, generator=g, dtype=torch.float64) ** 3
+    p[2] = 0.0  # a token the target never emits
+    p /= p.sum()
+    q = torch.rand(4, generator=g, dtype=torch.float64) + 0.05
+    q /= q.sum()
+    for name, draws in sibling_schemes(q, m):
+        total = torch.zeros(4, dtype=torch.float64)
+        for prob, tokens, q_nodes in draws:
+            total += prob * one_level_output(p, tokens, q_nodes)
+        torch.testing.assert_close(total, p, rtol=0, atol=1e-12, msg=name)
+    if m > 1:  # power: draws without replacement judged as if i.i.d. are NOT lossless
+        p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+        q = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+        _, wor = list(sibling_schemes(q, m))[2]
+        wrong = sum(prob * one_level_output(p, t, q.expand(m, 4)) for prob, t, _ in wor)
+        assert (wrong - p).abs().max() > 0.04
+
+
+def test_two_level_tree_sampling_is_exact():
+    """Root children A0=0, A1=1; A0 has children 2, 3; A1 has child 0. The target's
+    distribution after a depth-1 node is P2[its token]. Enumerate every accept/reject
+    pattern: the first token is distributed as p, and when a second token is emitted in the
+    same round it is distributed as P2[first token]."""
+    g = torch.Generator().manual_seed(0)
+    Vs = 4
+    p = torch.rand(Vs, generator=g, dtype=torch.float64) ** 2
+    p /= p.sum()
+    P2 = torch.rand(Vs, Vs, generator=g, dtype=torch.float64) ** 2
+    P2 /= P2.sum(-1, keepdim=True)
+    tokens = torch.tensor([[0, 1, 2, 3, 0]])
+    parents = torch.tensor([[-1, -1, 0, 0, 1]])
+    leaf = torch.full((Vs,), 1.0 / Vs, dtype=torch.float64)
+    P = torch.stack([p, P2[0], P2[1], leaf, leaf, leaf])[None]  # [1, N+1, V]
+    joint = torch.zeros(Vs, Vs, dtype=torch.float64)  # (first, second) emitted together
+    first_only = torch.zeros(Vs, dtype=torch.float64)
+    for pattern in itertools.product([0.0, 1.0], repeat=5):
+        u = torch.tensor([pattern], dtype=torch.float64)
+        res, dist = tree_rejection_verify(tokens, parents, None, P, uniforms=u)
+        a = res.accept_prob[0]
+        tried = ~torch.isnan(a)
+        on_path = set(res.path[0][res.path[0] >= 0].tolist())
+        if any(u[0, i] == 0 and i not in on_path for i in tried.nonzero()[:, 0].tolist()):
+            continue  # u=0 rejected only because a=0: the u=1 pattern covers it
+        if any(u[0, i] == 0 for i in (~tried).nonzero()[:, 0].tolist()):
+            continue  # untried nodes: count the pattern once (u=1)
+        w = 1.0
+        for i in tried.nonzero()[:, 0].tolist():
+            w *= float(a[i]) if i in on_path else 1 - float(a[i])
+        path = [int(tokens[0, i]) for i in res.path[0] if i >= 0]
+        if len(path) >= 2:
+            joint[path[0], path[1]] += w
+        elif len(path) == 1:
+            joint[path[0]] += w * dist[0]
+        else:
+            first_only += w * dist[0]
+    torch.testing.assert_close(joint.sum(1) + first_only, p, rtol=0, atol=1e-12)
+    for y in (0, 1):
+        assert joint[y].sum() > 0
+        torch.testing.assert_close(joint[y] / joint[y].sum(), P2[y], rtol=0, atol=1e-12)
+
+
+# -- the target's tree forward and KV compaction --------------------------------------------------
+def random_tree(paths, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.tensor(static_parents(paths)).expand(batch, -1)
+    return torch.randint(6, V, parents.shape, generator=g), parents
+
+
+def root_path(parents: list[int], i: int) -> list[int]:
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def test_tree_forward_equals_a_fresh_forward_per_node(target):
+    ids = prompt_ids(target, PROMPTS[0])
+    out = target(ids[:, :-1])
+    tokens, parents = random_tree(DEFAULT_PATHS, 1, seed=0)
+    next_pos = torch.tensor([ids.shape[1] - 1])
+    tree_out = tree_forward(target, out.cache, ids[:, -1], tokens, parents, next_pos, None)
+    fresh = target(ids, use_cache=False).logits[0, -1]
+    torch.testing.assert_close(tree_out.logits[0, 0], fresh, rtol=1e-5, atol=1e-5)
+    for i in range(tokens.shape[1]):
+        seq = torch.cat([ids[0], tokens[0, root_path(parents[0].tolist(), i)]])[None]
+        fresh = target(seq, use_cache=False).logits[0, -1]
+        torch.testing.assert_close(tree_out.logits[0, i + 1], fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_compacted_cache_equals_decoding_the_accepted_path(target):
+    """Left-padded batch of two rows, each keeping a different root path of the tree."""
+    rows = [prompt_ids(target, PROMPTS[0]), prompt_ids(target, PROMPTS[1])]
+    ids, mask = left_pad(rows, target.tokenizer.pad_token_id)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = target(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1])
+    past = out.cache.get_seq_length()
+    tokens, parents = random_tree(SHAPES["uneven"], 2, seed=1)
+    tree_forward(target, out.cache, ids[:, -1], tokens, parents, positions[:, -1], mask[:, :-1])
+    paths = [root_path(parents[0].tolist(), 5), root_path(parents[1].tolist(), 7)]  # depths 4, 2
+    n = 2  # the batch keeps the common depth
+    keep = torch.tensor([[0] + [i + 1 for i in path[:n]] for path in paths])
+    compact_cache(out.cache, past, keep)
+    assert out.cache.get_seq_length() == past + n + 1
+    nxt = torch.tensor([[11], [12]])
+    attn = torch.cat([mask, torch.ones(2, n + 1, dtype=mask.dtype)], 1)
+    step = target(nxt, cache=out.cache, attention_mask=attn, position_ids=positions[:, -1:] + n + 1)
+    for b, path in enumerate(paths):
+        real = rows[b][0]
+        seq = torch.cat([real, tokens[b, path[:n]], nxt[b]])[None]
+        fresh = target(seq, use_cache=True)
+        torch.testing.assert_close(step.logits[b, -1], fresh.logits[0, -1], rtol=1e-5, atol=1e-5)
+        pad = ids.shape[1] - real.shape[0]
+        for layer, ref in zip(out.cache.layers, fresh.cache.layers):
+            torch.testing.assert_close(layer.keys[b, :, pad:], ref.keys[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                layer.values[b, :, pad:], ref.values[0], rtol=1e-5, atol=1e-5
+            )
+
+
+# -- greedy decoding is the target's greedy output ------------------------------------------------
+class OracleTreeDrafter:
+    """Knows the reference continuation; puts the right token at a random rank per depth
+    and, with probability `miss`, a wrong one, so accepted paths run down random branches
+    and stop at random depths."""
+
+    hidden_layers = ()
+
+    def __init__(self, ref: list[int], miss: float, seed: int = 0):
+        self.ref, self.miss, self.rng = ref, miss, random.Random(seed)
+
+    def prefill(self, input_ids, target_out, attention_mask=None):
+        self.pos = 1  # ref[0] is the prefill's token (`last`)
+
+    def propose_tree(self, last_tokens, tree, sampling, generator=None, max_depth=None):
+        paths = static_tree(tuple(p for p in tree.paths if len(p) <= max_depth))
+        depth = max(map(len, paths))
+        good = [self.rng.choice(sorted({p[d] for p in paths if len(p) > d})) for d in range(depth)]
+        tokens = []
+        for path in paths:
+            d = len(path)
+            on_track = list(path) == good[:d] and self.pos + d - 1 < len(self.ref)
+            right = self.ref[self.pos + d - 1] if on_track else -1
+            tok = right if on_track and self.rng.random() > self.miss else None
+            tokens.append(tok if tok is not None else (right + 1 + 7 * path[-1]) % V)
+        parents = torch.tensor([static_parents(paths)])
+        return DraftTree(torch.tensor([tokens]), parents, None)
+
+    def commit(self, num_accepted, emitted, target_out):
+        self.pos += emitted.shape[1]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_tree_decoding_equals_target_greedy(target, refs, shape):
+    paths = SHAPES[shape]
+    paths = tuple(tuple(min(r, 3) for r in p) for p in paths) if shape != "wide" else paths
+    accepted = []
+    for i, (text, ref) in enumerate(zip(PROMPTS, refs)):
+        drafter = OracleTreeDrafter(ref, miss=0.35, seed=i)
+        out = generate(
+            target, prompt_ids(target, text), drafter, tree=TreeSpec(paths=paths),
+            max_new_tokens=24, eos_token_ids=[],
+        )  # fmt: skip
+        assert out.sequences == [ref]
+        assert out.tree_sizes[0] == len(paths)  # later rounds near the budget are pruned
+        accepted += out.accept_counts
+    depth = max(map(len, paths))
+    assert max(accepted) >= min(2, depth) and 0 in accepted  # deep paths and corrections
+
+
+@pytest.mark.parametrize("shape", ["default", "uneven"])
+def test_medusa_static_tree_greedy_equals_target_greedy_padded(target, refs, shape):
+    heads = medusa.from_target(target, num_heads=4)
+    ids, mask = left_pad([prompt_ids(target, p) for p in PROMPTS], target.tokenizer.pad_token_id)
+    out = generate(
+        target, ids, heads.make_drafter(target), tree=TreeSpec(paths=SHAPES[shape]),
+        max_new_tokens=24, attention_mask=mask, eos_token_ids=[],
+    )  # fmt: skip
+    assert out.sequences == refs
+    single = generate(
+        target, prompt_ids(target, PROMPTS[1]), heads.make_drafter(target),
+        tree=TreeSpec(paths=SHAPES[shape]), max_new_tokens=24, eos_token_ids=[],
+    )  # fmt: skip
+    assert single.sequences == [refs[1]] and single.tau > 1.0
+
+
+def build_eagle(target):
+    torch.manual_seed(0)
+    counts = torch.randint(0, 1000, (V,), generator=torch.Generator().manual_seed(0))
+    return eagle.from_target(target, counts, style="eagle3", ttt_steps=2, vocab_size=64)
+
+
+@pytest.mark.parametrize("depth, top_k, num_nodes", [(1, 3, 3), (3, 2, 6), (4, 3, 12)])
+def test_eagle_dynamic_tree_greedy_equals_target_greedy_padded(
+    target, refs, depth, top_k, num_nodes
+):
+    draft = build_eagle(target)
+    tree = TreeSpec(kind="dynamic", depth=depth, top_k=top_k, num_nodes=num_nodes)
+    ids, mask = left_pad([prompt_ids(target, p) for p in PROMPTS], target.tokenizer.pad_token_id)
+    out = generate(
+        target, ids, draft.make_drafter(target), tree=tree, max_new_tokens=24,
+        attention_mask=mask, eos_token_ids=[],
+    )  # fmt: skip
+    assert out.sequences == refs
+    assert out.tree_sizes[0] == num_nodes and out.draft_lens[0] == depth
+
+
+def test_eagle_tree_nodes_are_the_drafts_top_k_along_their_path(target):
+    """Every node's token is among the top_k of the draft's distribution after its root
+    path, computed step by step with a fresh drafter (own cache, chain positions)."""
+    draft = build_eagle(target)
+    ids = prompt_ids(target, PROMPTS[2])
+    tree_spec = TreeSpec(kind="dynamic", depth=3, top_k=3, num_nodes=10)
+    prompt_out = target(ids[:, :-1], hidden_layers=draft.hidden_layers)
+    drafter = draft.make_drafter(target)
+    drafter.prefill(ids[:, :-1], prompt_out)
+    tree = drafter.propose_tree(ids[:, -1], tree_spec, Sampling())
+    parents = tree.parents[0].tolist()
+    assert len(parents) == 10 and all(-1 <= p < i for i, p in enumerate(parents))
+    assert max(node_depths(tree.parents)[0].tolist()) == 3
+    vocab_ids = draft.vocab_ids()
+    for i in range(10):
+        ref = draft.make_drafter(target)
+        ref.prefill(ids[:, :-1], prompt_out)
+        start = ids.shape[1] - 1
+        h = ref._run(ref.pending_feature, torch.cat([ref.pending_tokens, ids[:, -1:]], 1), 0)
+        h = h[:, -1:]
+        for j, node in enumerate(root_path(parents, i)[:-1]):
+            h = ref._run(h, tree.tokens[:, node : node + 1], start + j)
+        logits = draft.logits(h, ref.head)[0, 0]
+        assert int(tree.tokens[0, i]) in vocab_ids[logits.topk(3).indices].tolist()
+
+
+# -- sampling through the loop: G-test at T=1 --------------------------------------------------
+N_SINGLE = 300
+
+
+@pytest.mark.parametrize("kind", ["medusa_static", "eagle_dynamic"])
+def test_tree_sampling_matches_target_distribution(target, kind):
+    sampling = Sampling(temperature=1.0)
+    ids = prompt_ids(target, "hello there")
+    table = exact_triples(target, ids, sampling, min_p=5 / N_SINGLE)
+    assert len(table) >= 8
+    if kind == "medusa_static":
+        drafter = medusa.from_target(target).make_drafter(target)
+        tree = TreeSpec(paths=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0)))
+    else:
+        drafter = build_eagle(target).make_drafter(target)
+        tree = TreeSpec(kind="dynamic", depth=2, top_k=3, num_nodes=6)
+    gen = torch.Generator().manual_seed(0)
+    samples, accepts = [], []
+    for _ in range(N_SINGLE):
+        out = generate(
+            target, ids, drafter, tree=tree, sampling=sampling, max_new_tokens=4,
+            generator=gen, eos_token_ids=[],
+        )  # fmt: skip
+        samples.append(tuple(out.sequences[0][:3]))
+        accepts.append(out.accept_counts[0])
+    assert {0, 1} <= set(accepts)  # rejections and acceptances both exercised
+    assert g_test(samples, table) > 1e-3
+
+
+def test_sampled_medusa_tree_q_is_each_nodes_conditional(target):
+    drafter = medusa.from_target(target).make_drafter(target)
+    ids = prompt_ids(target, "hi")
+    drafter.prefill(ids, target(ids, hidden_layers=(-1,)))
+    tree = drafter.propose_tree(
+        ids[:, -1], TreeSpec(paths=((0,), (1,), (2,), (0, 0))), Sampling(temperature=0.8, top_k=2),
+        torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    q = tree.q[0]
+    torch.testing.assert_close(q.sum(-1), torch.ones(4))
+    t = tree.tokens[0].tolist()
+    assert len(set(t[:3])) == 3  # siblings drawn without replacement
+    assert q[0, t[0]] > 0 and q[1, t[0]] == 0  # sibling 2's q excludes sibling 1's token
+    assert (q[1] > 0).sum() == 1  # top_k=2: one token left for the 2nd draw
+    assert q[2, t[2]] == 1.0  # support used up: the 3rd candidate is deterministic
+
+
+# -- errors and metrics ----------------------------------------------------------------------------
+def test_bad_tree_requests_say_what_to_do(target):
+    ids = prompt_ids(target, "hi")
+    with pytest.raises(ValueError, match="cannot draft trees"):
+        generate(target, ids, NgramDrafter(vocab_size=V), tree=TreeSpec())
+    with pytest.raises(ValueError, match="static trees"):
+        generate(target, ids, medusa.from_target(target).make_drafter(target),
+                 tree=TreeSpec(kind="dynamic"))  # fmt: skip
+    with pytest.raises(ValueError, match="dynamic"):
+        generate(target, ids, build_eagle(target).make_drafter(target), tree=TreeSpec())
+
+
+def test_evaluate_reports_tree_size_and_tau(target):
+    prompts = [prompt_ids(target, p) for p in PROMPTS[:2]]
+    drafter = medusa.from_target(target).make_drafter(target)
+    m = evaluate(target, drafter, prompts, tree=TreeSpec(), max_new_tokens=16, eos_token_ids=[])
+    # 15 nodes per round except rounds pruned to the token budget (max_new_tokens=16)
+    assert 12 < m["tree_size"] < len(DEFAULT_PATHS) and m["k"] == 4
+    assert m["tree"]["kind"] == "static" and m["greedy_exact_match"] == 1.0
+    assert m["tau"] > 1.0 and len(m["alpha"]) == 4
+
+
+@pytest.mark.parametrize("decode, kind", [("tree_static", "medusa"), ("tree_dynamic", "eagle")])
+def test_checkpoint_evaluation_uses_the_configured_tree(target, decode, kind):
+    from hydra import compose, initialize_config_dir
+
+    from train.evaluate import evaluate_checkpoint
+
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    overrides = [f"decode={decode}", "decode.temperatures=[0.0,1.0]", "decode.max_new_tokens=12"]
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        cfg = compose("train", overrides=[*overrides, "decode.dtype=fp32"])
+    draft = medusa.from_target(target) if kind == "medusa" else build_eagle(target)
+    prompts = [{"input_ids": prompt_ids(target, p)[0].tolist()} for p in PROMPTS]
+    result, _ = evaluate_checkpoint(target, draft, prompts, cfg, proxy=None)
+    assert result["greedy/tree"]["kind"] == cfg.decode.tree.kind
+    assert 0 < result["greedy/tree_size"] <= 16 and result["T1/tree_size"] > 0
+    assert result["greedy/greedy_exact_match"] == 1.0

@@ -1,0 +1,468 @@
+"""On-policy replay of the draft's own rollouts (Draft-OPD style), for every draft kind.
+
+Every `every` optimizer steps the current draft decodes training prompts in the shared
+decoder (`decoding.spec.generate`). The target verifies every draft, so the continuation
+is the target's own output (lossless): the draft sees the prefixes it meets at decode
+time, but never trains on text the target would not write. From each rollout we record,
+round by round (`record_rounds`):
+  - accepted: the positions of the drafts the target accepted,
+  - rejected: the position of the first rejected draft of the round (where the target
+    emitted its correction token instead), if the round did not accept all its drafts.
+A position is stored as the TARGET position q = p - 1 whose distribution predicts the
+token at sequence position p, plus the draft's index i (1-based) inside its round.
+
+The target's distribution is NOT stored (49k floats per position); the frozen target
+recomputes it when a record is trained on: the replay batch goes through the same
+target forward as offline data, which head drafts need anyway for their features.
+
+Which draft logits are trained at a replay position (one offset per position):
+  draft token i of a round comes from the draft's offset index j = min(i - 1, J - 1)
+  (J = len(DraftOutput.offsets)) at draft position t = q - offsets[j], so by the
+  protocol's alignment `logits[j][:, t]` pairs with the target at q. This is exactly
+  what proposed the token at decode time:
+    draft LM (offsets [0]): j = 0, t = q; it re-reads its own accepted drafts, which are
+      the sequence's tokens, so teacher forcing on the rollout is the rollout.
+    Medusa head j / MTP depth j+1 / EAGLE unroll step j (offsets 1..J): all read the
+      target feature at the round's anchor t = s - 1 (s = position of the round's first
+      token) and the accepted tokens after it: t = q - (j + 1) = s - 1.
+  Drafts past the last offset (MTP recursive_last, EAGLE unrolled beyond ttt_steps) use
+  the last offset at its own anchor: the teacher-forced version of the recursive step.
+The first rejected position is the first place where the draft's context and the
+rollout's agree and the draft was wrong; later drafts of the round were never checked.
+
+Losses: `accepted_loss` (default forward KL) on accepted positions, `rejected_loss`
+(default reverse KL) on first-rejected positions, any of train.losses.LOSSES ("ce" =
+the target's argmax as label), weighted by position_decay ** (i - 1), the rejected
+stream by `rejected_weight`, normalised by the replay batch's position count. The step's
+loss is (1 - ratio) * offline + ratio * replay once the buffer holds a rollout. Auxiliary
+losses (EAGLE-1 feature regression, Medusa-2's LM loss) stay on the offline stream.
+
+Several processes: every rank rolls out its own prompts (rows r, r + W, ...), keeps its
+own buffer and trains on it; DDP averages the gradients. Buffers are saved per rank in
+the checkpoint, and all sampling uses generators seeded by (seed, step, rank), so a
+resumed run repeats the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from decoding.drafter import Sampling
+from models.protocol import DraftOutput
+from train.losses import LOSSES
+from train.target import Target, resolve_dtype
+
+PRIORITY_FLOOR = 0.05  # sampling weight of a rollout with no rejection, when priority is on
+
+
+@dataclass
+class Rollout:
+    input_ids: list[int]  # prompt + emitted tokens, cut after the last recorded position
+    prompt_len: int
+    accepted: list[tuple[int, int]]  # (target position q, draft index i in its round)
+    rejected: list[tuple[int, int]]  # first rejected draft of a round: (q, i)
+    rounds: int  # verify rounds that had drafts
+    drafted: int  # draft tokens proposed in those rounds
+    num_accepted: int  # drafts the target accepted (= sum of the decoder's accept counts)
+    step: int  # training step of the rollout (for age-out)
+
+    @property
+    def rejection_rate(self) -> float:
+        return len(self.rejected) / max(self.rounds, 1)
+
+
+def prompt_prefix(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
+    """The prompt of a training row: tokens up to the first trained position t inclusive
+    (loss_mask[t] = 1 means x_{t+1} is the first assistant token). None if nothing is trained."""
+    for t, m in enumerate(loss_mask):
+        if m:
+            return list(input_ids[: t + 1])
+    return None
+
+
+def record_rounds(
+    prompt: list[int],
+    new_tokens: list[int],
+    accept_counts: list[int],
+    draft_lens: list[int],
+    step: int = 0,
+) -> Rollout:
+    """Accepted / first-rejected positions of one decoded row (batch of 1).
+
+    Round r starts at s_r (its first token was emitted before it: the prefill's sample or
+    the previous round's correction/bonus); its drafts d_1..d_k sit at s_r + 1..s_r + k;
+    n_r were accepted, so s_{r+1} = s_r + n_r + 1. Only positions whose token was emitted
+    are kept (a row stops at EOS even if drafts after it were accepted)."""
+    seq = list(prompt) + list(new_tokens)
+    s = len(prompt)  # the first new token was sampled at prefill, without a draft
+    accepted, rejected, rounds, drafted = [], [], 0, 0
+    for n, k in zip(accept_counts, draft_lens, strict=True):
+        if not 0 <= n <= k:
+            raise ValueError(f"round with {k} drafts cannot accept {n}")
+        rounds += k > 0
+        drafted += k
+        accepted += [(s + i - 1, i) for i in range(1, n + 1) if s + i < len(seq)]
+        if n < k and s + n + 1 < len(seq):
+            rejected.append((s + n, n + 1))
+        s += n + 1
+    if s + 1 < len(seq):  # s is now the position of the last emitted token (or past EOS)
+        raise ValueError(
+            f"the accept counts cover {s + 1 - len(prompt)} new tokens but the row has "
+            f"{len(new_tokens)}: pass the GenerationResult of this very row (batch of 1)"
+        )
+    last = max([q for q, _ in accepted + rejected], default=len(prompt) - 1)
+    return Rollout(
+        input_ids=seq[: last + 1],
+        prompt_len=len(prompt),
+        accepted=accepted,
+        rejected=rejected,
+        rounds=rounds,
+        drafted=drafted,
+        num_accepted=sum(accept_counts),
+        step=step,
+    )
+
+
+@torch.no_grad()
+def rollout(
+    target: Target,
+    draft: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    k: int,
+    sampling: Sampling,
+    max_new_tokens: int,
+    generator: torch.Generator | None = None,
+    eos_token_ids: list[int] | None = None,
+    step: int = 0,
+) -> list[Rollout]:
+    """Decode each prompt alone (batch of 1: a batch keeps only the rows' common accepted
+    prefix, which would hide each row's own rejections) and record its rounds."""
+    from decoding.spec import generate  # decoding imports train.target; keep import lazy
+
+    out = []
+    for ids in prompts:
+        drafter = draft.make_drafter(target)  # fresh drafter state per prompt
+        res = generate(
+            target,
+            torch.tensor([ids], device=target.device),
+            drafter,
+            k=k,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            generator=generator,
+            eos_token_ids=eos_token_ids,
+        )
+        out.append(record_rounds(ids, res.sequences[0], res.accept_counts, res.draft_lens, step))
+    return out
+
+
+class ReplayBuffer:
+    """Rollouts, newest last. FIFO beyond `capacity`; rollouts older than `max_age` training
+    steps are dropped; `priority` samples rollouts in proportion to their rejection rate
+    (share of rounds that ended in a rejection, floored at PRIORITY_FLOOR)."""
+
+    def __init__(self, capacity: int, max_age: int | None = None, priority: bool = False):
+        if capacity < 1:
+            raise ValueError(f"replay.capacity must be >= 1 rollout, got {capacity}")
+        if max_age is not None and max_age < 0:
+            raise ValueError(f"replay.max_age must be >= 0 steps or null (never), got {max_age}")
+        self.capacity, self.max_age, self.priority = capacity, max_age, priority
+        self.items: list[Rollout] = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, rollouts: list[Rollout]) -> None:
+        self.items.extend(r for r in rollouts if r.accepted or r.rejected)
+        del self.items[: max(0, len(self.items) - self.capacity)]
+
+    def age_out(self, step: int) -> None:
+        if self.max_age is not None:
+            self.items = [r for r in self.items if step - r.step <= self.max_age]
+
+    def sample(self, n: int, generator: torch.Generator) -> list[Rollout]:
+        n = min(n, len(self.items))
+        if n == 0:
+            return []
+        if self.priority:
+            w = torch.tensor([max(r.rejection_rate, PRIORITY_FLOOR) for r in self.items])
+        else:
+            w = torch.ones(len(self.items))
+        idx = torch.multinomial(w, n, replacement=False, generator=generator)
+        return [self.items[i] for i in idx.tolist()]
+
+    def num_positions(self) -> int:
+        return sum(len(r.accepted) + len(r.rejected) for r in self.items)
+
+    def state_dict(self) -> dict:
+        return {"items": [asdict(r) for r in self.items]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.items = []
+        for r in state["items"]:
+            r = dict(r)
+            r["accepted"] = [tuple(x) for x in r["accepted"]]
+            r["rejected"] = [tuple(x) for x in r["rejected"]]
+            self.items.append(Rollout(**r))
+
+
+def make_batch(
+    rollouts: list[Rollout],
+    num_offsets: int,
+    pad_token_id: int,
+    position_decay: float = 1.0,
+) -> dict[str, Tensor]:
+    """Right-padded input_ids/attention_mask [B, T], and per stream ("acc", "rej") the
+    trained positions as flat index tensors [M]: row, target position q, offset index j
+    (= min(i - 1, num_offsets - 1)) and weight position_decay ** (i - 1)."""
+    T = max(len(r.input_ids) for r in rollouts)
+    ids = torch.full((len(rollouts), T), pad_token_id, dtype=torch.long)
+    attn = torch.zeros(len(rollouts), T, dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": attn}
+    for b, r in enumerate(rollouts):
+        ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids)
+        attn[b, : len(r.input_ids)] = 1
+    for stream in ("acc", "rej"):
+        recs = [
+            (b, q, i)
+            for b, r in enumerate(rollouts)
+            for q, i in (r.accepted if stream == "acc" else r.rejected)
+        ]
+        cols = torch.tensor(recs, dtype=torch.long).reshape(-1, 3)  # [M, 3]: row, q, i
+        b_idx, q_idx, i_idx = cols.unbind(-1)
+        batch[f"{stream}_row"] = b_idx
+        batch[f"{stream}_pos"] = q_idx
+        batch[f"{stream}_off"] = (i_idx - 1).clamp_max(0)
+        batch[f"{stream}_weight"] = position_decay ** (i_idx - 1).float()
+    return batch
+
+
+def gather_stream(
+    out: DraftOutput, target_logits: Tensor, batch: dict[str, Tensor], stream: str
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Per offset index j with positions in `stream`: (draft rows [m, Vd], target rows
+    [m, Vd] (restricted to vocab_ids), weights [m]); logits[j] at t = q - offsets[j]."""
+    rows, pos = batch[f"{stream}_row"], batch[f"{stream}_pos"]
+    off_idx, weight = batch[f"{stream}_off"], batch[f"{stream}_weight"]
+    groups = []
+    for j, (logits, off) in enumerate(zip(out.logits, out.offsets, strict=True)):
+        sel = off_idx == j
+        if not bool(sel.any()):
+            continue
+        r, q = rows[sel].to(logits.device), pos[sel].to(logits.device)
+        d = logits[r, q - off].float()  # [m, Vd]
+        t = target_logits[r, q]  # [m, V]
+        if out.vocab_ids is not None:
+            t = t.index_select(-1, out.vocab_ids.to(t.device))  # [m, Vd]
+        groups.append((d, t, weight[sel].to(logits.device)))
+    return groups
+
+
+def stream_loss_sum(
+    loss_fn, groups: list[tuple[Tensor, Tensor, Tensor]], temperature: float
+) -> Tensor | None:
+    """sum over positions of weight * loss_fn (losses take a 0/1 mask: one call per weight)."""
+    total = None
+    for d, t, w in groups:
+        for value in torch.unique(w).tolist():
+            sel = w == value
+            ones = torch.ones(int(sel.sum()), device=d.device)
+            part = value * loss_fn(d[sel], t[sel], ones, temperature=temperature, reduction="sum")
+            total = part if total is None else total + part
+    return total
+
+
+def replay_loss(
+    out: DraftOutput,
+    target_logits: Tensor,  # [B, T, V]
+    batch: dict[str, Tensor],
+    accepted_fn,
+    rejected_fn,
+    temperature: float = 1.0,
+    rejected_weight: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(accepted_sum + rejected_weight * rejected_sum) / positions, and the two stream sums
+    (detached) for logging. Each sum is over weighted positions of its own stream."""
+    acc = stream_loss_sum(accepted_fn, gather_stream(out, target_logits, batch, "acc"), temperature)
+    rej = stream_loss_sum(rejected_fn, gather_stream(out, target_logits, batch, "rej"), temperature)
+    n = len(batch["acc_pos"]) + len(batch["rej_pos"])
+    loss = out.logits[0].sum() * 0.0  # keeps the graph connected when a stream is empty
+    zero = loss.detach()
+    acc = zero if acc is None else acc
+    rej = zero if rej is None else rej
+    loss = loss + (acc + rejected_weight * rej) / max(n, 1)
+    return loss, acc.detach(), rej.detach()
+
+
+class Replay:
+    """Rollouts every `every` steps, the buffer, and the replay share of each step's loss."""
+
+    def __init__(
+        self,
+        train_rows,  # sequence of {"input_ids", "loss_mask"} (PreparedData.train)
+        *,
+        offsets: list[int],
+        pad_token_id: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        loss_temperature: float = 1.0,
+        every: int = 10,
+        ratio: float = 0.25,
+        batch_size: int = 4,
+        capacity: int = 64,
+        max_age: int | None = None,
+        priority: bool = False,
+        accepted_loss: str = "kl",
+        rejected_loss: str = "rkl",
+        rejected_weight: float = 1.0,
+        position_decay: float = 1.0,
+        num_prompts: int = 4,
+        k: int = 4,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        dtype: str | None = None,
+    ):
+        for name, value in (("accepted_loss", accepted_loss), ("rejected_loss", rejected_loss)):
+            if value not in LOSSES:
+                raise ValueError(f"replay.{name}={value!r} is not one of {sorted(LOSSES)}")
+        if not 0.0 <= ratio < 1.0:
+            raise ValueError(
+                f"replay.ratio is the replay share of the loss, in [0, 1); got {ratio}"
+            )
+        if every < 1 or num_prompts < 1 or batch_size < 1:
+            raise ValueError(
+                f"replay.every ({every}), replay.num_prompts ({num_prompts}) and "
+                f"replay.batch_size ({batch_size}) must be >= 1"
+            )
+        prompts = [prompt_prefix(r["input_ids"], r["loss_mask"]) for r in train_rows]
+        prompts = [p for i, p in enumerate(prompts) if p is not None and i % world_size == rank]
+        if not prompts:
+            raise ValueError("replay needs training rows with a trained (assistant) part")
+        self.prompts, self.offsets, self.pad_token_id = prompts, list(offsets), pad_token_id
+        self.seed, self.rank = seed, rank
+        self.loss_temperature, self.every, self.ratio = loss_temperature, every, ratio
+        self.batch_size, self.num_prompts, self.k = batch_size, num_prompts, k
+        self.max_new_tokens, self.dtype = max_new_tokens, dtype
+        self.accepted_fn, self.rejected_fn = LOSSES[accepted_loss], LOSSES[rejected_loss]
+        self.rejected_weight, self.position_decay = rejected_weight, position_decay
+        self.sampling = Sampling(temperature=temperature, top_p=top_p)
+        self.buffer = ReplayBuffer(capacity, max_age, priority)
+        self._target_copy: Target | None = None
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        keys = ("rounds", "accepted", "drafted", "rollout_s", "acc_loss", "rej_loss")
+        keys += ("n_acc", "n_rej", "offline", "steps", "weight")
+        self.win = dict.fromkeys(keys, 0.0)
+
+    def _generator(self, step: int, salt: int) -> torch.Generator:
+        return torch.Generator().manual_seed(
+            ((self.seed * 1_000_003 + step) * 31 + salt) * 64 + self.rank
+        )
+
+    def _rollout_models(self, target: Target, draft: torch.nn.Module):
+        """The target (a copy only when the dtype differs) and a COPY of the draft, in the
+        rollout dtype: drafters may freeze or convert the module they wrap
+        (DraftLMDrafter sets requires_grad=False), which must not touch the trained one."""
+        draft = copy.deepcopy(draft).eval()
+        if self.dtype is None:
+            return target, draft
+        dtype = resolve_dtype(self.dtype)
+        if target.model.dtype != dtype:
+            if self._target_copy is None:  # frozen: one copy for the whole run
+                from train.evaluate import decode_copy
+
+                self._target_copy = decode_copy(target, dtype)
+            target = self._target_copy
+        return target, draft.to(dtype)
+
+    def maybe_rollout(self, step: int, target: Target, draft: torch.nn.Module) -> None:
+        """Every `every` steps (step 0 included): decode num_prompts training prompts."""
+        self.buffer.age_out(step)
+        if step % self.every:
+            return
+        t0 = time.perf_counter()
+        g = self._generator(step, 1)
+        pick = torch.randperm(len(self.prompts), generator=g)[: self.num_prompts].tolist()
+        r_target, r_draft = self._rollout_models(target, draft)
+        rollouts = rollout(
+            r_target,
+            r_draft,
+            [self.prompts[i] for i in pick],
+            k=self.k,
+            sampling=self.sampling,
+            max_new_tokens=self.max_new_tokens,
+            generator=torch.Generator(device=r_target.device).manual_seed(g.initial_seed()),
+            step=step,
+        )
+        del r_draft
+        self.buffer.add(rollouts)
+        self.win["rounds"] += sum(r.rounds for r in rollouts)
+        self.win["accepted"] += sum(r.num_accepted for r in rollouts)
+        self.win["drafted"] += sum(r.drafted for r in rollouts)
+        self.win["rollout_s"] += time.perf_counter() - t0
+
+    def backward(
+        self, step: int, draft, core, target: Target, accelerator, offline_positions: float
+    ) -> float:
+        """Target + draft forward on a replay batch and backward of ratio * replay loss.
+        Returns the replay share of this step's loss (0 while the buffer is empty), by which
+        the caller scales the offline loss with (1 - share)."""
+        self.win["steps"] += 1
+        self.win["offline"] += offline_positions
+        picked = self.buffer.sample(self.batch_size, self._generator(step, 2))
+        if not picked:
+            return 0.0
+        batch = make_batch(picked, len(self.offsets), self.pad_token_id, self.position_decay)
+        ids = batch["input_ids"].to(accelerator.device)
+        attn = batch["attention_mask"].to(accelerator.device)
+        with torch.no_grad():
+            t_out = target(
+                ids, attention_mask=attn, hidden_layers=tuple(core.hidden_layers), use_cache=False
+            )
+        out = draft(target, ids, t_out, attn)
+        loss, acc, rej = replay_loss(
+            out, t_out.logits, batch, self.accepted_fn, self.rejected_fn,
+            self.loss_temperature, self.rejected_weight,
+        )  # fmt: skip
+        accelerator.backward(self.ratio * loss)
+        n_acc, n_rej = len(batch["acc_pos"]), len(batch["rej_pos"])
+        self.win["acc_loss"] += float(acc)
+        self.win["rej_loss"] += float(rej)
+        self.win["n_acc"] += n_acc
+        self.win["n_rej"] += n_rej
+        self.win["weight"] += self.ratio
+        return self.ratio
+
+    def flush(self) -> dict:
+        """Log fields since the last flush (this rank's numbers)."""
+        w = self.win
+        replayed = w["n_acc"] + w["n_rej"]
+        rec = {
+            "replay/buffer_size": len(self.buffer),
+            "replay/buffer_positions": self.buffer.num_positions(),
+            "replay/token_share": replayed / max(replayed + w["offline"], 1.0),
+            "replay/loss_share": w["weight"] / max(w["steps"], 1.0),
+            "replay/loss_accepted": w["acc_loss"] / max(w["n_acc"], 1.0),
+            "replay/loss_rejected": w["rej_loss"] / max(w["n_rej"], 1.0),
+            "replay/rollout_s": w["rollout_s"],
+        }
+        if w["rounds"]:  # acceptance at rollout time (tau counts the bonus token)
+            rec["replay/tau"] = 1.0 + w["accepted"] / w["rounds"]
+            rec["replay/accept_rate"] = w["accepted"] / max(w["drafted"], 1.0)
+        self._reset_window()
+        return rec
+
+    def state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state)
