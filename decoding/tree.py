@@ -255,7 +255,7 @@ def generate_tree(
     check_inputs(target, input_ids, drafter, 1, sampling, max_new_tokens, attention_mask)
     if not isinstance(tree, TreeSpec):
         raise ValueError(f"tree must be a decoding.tree.TreeSpec, got {type(tree).__name__}")
-    if not hasattr(drafter, "propose_tree"):
+    if not isinstance(drafter, TreeDrafter):
         raise ValueError(
             f"{type(drafter).__name__} cannot draft trees (no propose_tree); decode with a "
             "chain (tree=None, conf decode=chain) or use a Medusa / EAGLE drafter"

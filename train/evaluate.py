@@ -89,3 +89,25 @@ def evaluate_checkpoint(
     result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
     result["speedup"] = result.get(f"{first}/speedup")
     return result, target_eval
+
+
+def format_eval_table(evals: list[dict]) -> str:
+    """A markdown table of the per-checkpoint evaluations: τ, α_i and speedup per temperature."""
+    rows = []
+    for ev in evals:
+        for key, tau in ev.items():
+            if not key.endswith("/tau"):
+                continue
+            tag = key[: -len("/tau")]
+            alpha = " ".join("-" if a is None else f"{a:.2f}" for a in ev.get(f"{tag}/alpha", []))
+            rows.append(
+                f"| {ev.get('step', '?')} | {tag} | {tau:.3f} | {alpha} "
+                f"| {ev.get(f'{tag}/speedup', float('nan')):.2f}x "
+                f"| {ev.get(f'{tag}/tokens_per_s', float('nan')):.1f} "
+                f"| {ev.get(f'{tag}/ar_tokens_per_s', float('nan')):.1f} |"
+            )
+    head = (
+        "| step | sampling | τ | α per position | speedup vs AR | tok/s spec | tok/s AR |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    return "\n".join([head, *rows])

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from train.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data import collate, prepare_data
-from train.evaluate import evaluate_checkpoint
+from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.losses import LOSSES, acceptance_proxy, simulated_tau, top1_agreement
 from train.replay import Replay
 
@@ -422,6 +422,9 @@ def run(cfg: DictConfig) -> dict:
             "data_stats": prepared.stats,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        if eval_history:
+            print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
+            print(format_eval_table(eval_history), flush=True)
     accelerator.end_training()
     return summary
 

@@ -238,7 +238,7 @@ def make_batch(
         b_idx, q_idx, i_idx = cols.unbind(-1)
         batch[f"{stream}_row"] = b_idx
         batch[f"{stream}_pos"] = q_idx
-        batch[f"{stream}_off"] = (i_idx - 1).clamp_max(0)
+        batch[f"{stream}_off"] = (i_idx - 1).clamp_max(num_offsets - 1)
         batch[f"{stream}_weight"] = position_decay ** (i_idx - 1).float()
     return batch
 
