@@ -357,10 +357,15 @@ def from_target(
     feature_loss_weight: float = 0.0,
     train_head: bool = False,
     intermediate_size: int | None = None,
+    init: str = "identity",
 ) -> EagleDraft:
     """Build an EAGLE draft sized from `target`. `layers`: target hidden_states indices to
     read (default: [-1] for EAGLE-1, low/mid/high for EAGLE-3). `vocab_size`: "full" or N
-    (the N most frequent trained tokens; needs `token_counts` or a checkpoint's d2t/t2d)."""
+    (the N most frequent trained tokens; needs `token_counts` or a checkpoint's d2t/t2d).
+    `init`: "identity" starts the head as a pass-through of the deepest tapped feature (see
+    `_identity_init`), "random" is plain random init."""
+    if init not in ("identity", "random"):
+        raise ValueError(f"init must be 'identity' or 'random', got {init!r}")
     cfg = target.config
     if layers is None:
         layers = [-1] if style == "eagle1" else list(default_eagle3_layers(target.num_layers))
@@ -408,6 +413,8 @@ def from_target(
         counts = token_counts.double().cpu()
         draft.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1.0))
     with torch.no_grad():  # start from the target's own output geometry
+        if init == "identity":
+            _identity_init(draft)
         if style == "eagle3":
             draft.norm.weight.copy_(target.final_norm.weight)
         if draft.lm_head is not None:
@@ -419,3 +426,28 @@ def _target_rows(draft: EagleDraft, target: Target) -> Tensor:
     weight = target.lm_head.weight.detach()
     ids = draft.vocab_ids()
     return weight if ids is None else weight[ids.to(weight.device)]
+
+
+def _identity_init(draft: EagleDraft) -> None:
+    """Start as a pass-through of the deepest tapped target feature.
+
+    A randomly initialised head sends a random unit-RMS direction through the target's norm
+    and head: logits with std ~6 on SmolLM2, a peaked random q, KL ~23 nats per position and
+    vanishing TV gradients (measured: TV training stalled at alpha ~0.03). Selecting the deepest
+    tap in `fuse`, the feature half of `input_proj`, and zeroing the layer's output projections
+    makes a fresh head predict roughly the target's own next-token distribution instead:
+    a sane start that every loss can improve. The token half of `input_proj` keeps a small
+    random init so the embedding's gradient is not zero."""
+    H = draft.input_proj.weight.shape[0]
+    eye = torch.eye(H, dtype=draft.input_proj.weight.dtype)
+    if draft.fuse is not None:
+        depth = [la if la >= 0 else float("inf") for la in draft.hidden_layers]  # -1 = last
+        deepest = depth.index(max(depth))
+        draft.fuse.weight.zero_()
+        draft.fuse.weight[:, deepest * H : (deepest + 1) * H] = eye
+    draft.input_proj.weight[:, :H] = eye
+    draft.input_proj.weight[:, H:].mul_(0.1)
+    if draft.input_proj.bias is not None:
+        draft.input_proj.bias.zero_()
+    draft.layer.self_attn.o_proj.weight.zero_()
+    draft.layer.mlp.down_proj.weight.zero_()

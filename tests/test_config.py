@@ -43,7 +43,9 @@ def test_there_are_experiments():
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_and_targets_resolve(name):
     text = (CONF / "experiment" / f"{name}.yaml").read_text()
-    assert text.startswith("# @package _global_"), f"{name}.yaml must start with '# @package _global_'"
+    assert text.startswith("# @package _global_"), (
+        f"{name}.yaml must start with '# @package _global_'"
+    )
     cfg = _compose(f"+experiment={name}")
     assert cfg.name == name, "an experiment names its runs after itself"
     cfg_no_hydra = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
@@ -63,7 +65,10 @@ def test_run_dir_does_not_depend_on_time():
 def test_unknown_experiment_lists_the_available_ones():
     proc = subprocess.run(
         [sys.executable, "train.py", "+experiment=no_such_thing"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert "no_such_thing" in proc.stderr and "Available options" in proc.stderr

@@ -23,7 +23,9 @@ def test_cached_forward_equals_full_forward(tiny_target: Target):
     full = tiny_target(ids).logits
     first = tiny_target(ids[:, :4])
     rest = tiny_target(ids[:, 4:], cache=first.cache)
-    torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.cat([first.logits, rest.logits], 1), full, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_tiny_random_is_seeded():

@@ -48,14 +48,21 @@ def evaluate_checkpoint(
     if target_eval is None:
         target_eval = decode_copy(target, dtype)
     draft_eval = copy.deepcopy(draft).to(dtype).eval()
-    drafter = draft_eval.make_drafter(target_eval)
+    # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
+    # with respect to) the adapted target, so both AR and speculative runs decode that one.
+    decode_target = (
+        draft_eval.merged_target(target_eval)
+        if hasattr(draft_eval, "merged_target")
+        else target_eval
+    )
+    drafter = draft_eval.make_drafter(decode_target)
     num = dec.get("num_prompts") or len(eval_prompts)
     if not eval_prompts:
         raise ValueError(
             "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
         )
     prompts = [
-        torch.tensor(p["input_ids"], device=target_eval.device)[None] for p in eval_prompts[:num]
+        torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in eval_prompts[:num]
     ]
     result: dict = {"k": k, "num_prompts": len(prompts)}
     temperatures = [float(t) for t in dec.get("temperatures", [0.0])]
@@ -67,7 +74,7 @@ def evaluate_checkpoint(
         )
         with torch.no_grad():
             m = evaluate(
-                target_eval,
+                decode_target,
                 drafter,
                 prompts,
                 k=k,

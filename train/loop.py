@@ -39,6 +39,7 @@ from train.data import collate, prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.losses import LOSSES, acceptance_proxy, simulated_tau, top1_agreement
 from train.replay import Replay
+from train.report import wandb_run_settings, wandb_summary
 
 
 class TrainingDiverged(RuntimeError):
@@ -244,12 +245,15 @@ def run(cfg: DictConfig) -> dict:
             ]
             metrics_path.write_text("".join(ln + "\n" for ln in kept))
     if cfg.logger.kind == "wandb":
+        wb = wandb_run_settings(cfg)  # group = runs differing only in seed; tags = kind, loss, data
         accelerator.init_trackers(
             cfg.logger.project,
             config=OmegaConf.to_container(cfg, resolve=True),
             init_kwargs={
                 "wandb": {
-                    "name": str(cfg.name),
+                    "name": wb["name"],
+                    "group": wb["group"],
+                    "tags": wb["tags"],
                     "dir": str(run_dir),
                     "entity": cfg.logger.get("entity"),
                 }
@@ -422,6 +426,8 @@ def run(cfg: DictConfig) -> dict:
             "data_stats": prepared.stats,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        if cfg.logger.kind == "wandb":  # final τ, speedup, α_i in W&B's own run table
+            accelerator.get_tracker("wandb", unwrap=True).summary.update(wandb_summary(summary))
         if eval_history:
             print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
             print(format_eval_table(eval_history), flush=True)

@@ -35,7 +35,6 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("DRAFTLAB_CACHE", Path.home() / ".cache" / "draftlab"))
 
 
-
 @dataclass
 class TargetOutput:
     logits: Tensor | None  # [B, T, V] (float32 when the model runs in fp32)
@@ -46,8 +45,14 @@ class TargetOutput:
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
     return table[dtype]
@@ -99,7 +104,9 @@ class Target:
     def rope_kwargs(self) -> dict:
         """Position settings a draft must copy (a wrong value silently ruins τ)."""
         keys = ("max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters")
-        return {k: getattr(self.config, k) for k in keys if getattr(self.config, k, None) is not None}
+        return {
+            k: getattr(self.config, k) for k in keys if getattr(self.config, k, None) is not None
+        }
 
     # -- frozen pieces a head draft shares ------------------------------------
     @property
@@ -114,7 +121,9 @@ class Target:
     def final_norm(self) -> torch.nn.Module:
         return self.model.model.norm
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Target:
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> Target:
         self.model.to(device=device, dtype=dtype)
         return self
 
@@ -235,7 +244,9 @@ def convert_smollm2(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
         return out
     gguf = smollm2_gguf_path()
     t0 = time.perf_counter()
-    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    src = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     cfg = src.config.to_dict()
     cfg.pop("quantization_config", None)
@@ -259,7 +270,9 @@ def convert_smollm2(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     return out
 
 
-def load_smollm2(dtype: str = "float32", device: str = "auto", cache_dir: str | None = None) -> Target:
+def load_smollm2(
+    dtype: str = "float32", device: str = "auto", cache_dir: str | None = None
+) -> Target:
     path = convert_smollm2(Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR)
     target = load_hf_target(str(path), dtype=dtype, device=device)
     target.name = "smollm2-135m-instruct"
@@ -301,4 +314,6 @@ def build_tiny_random(
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(8.0)
     model.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
-    return Target(model, tokenizer, name=f"tiny_random-s{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}")
+    return Target(
+        model, tokenizer, name=f"tiny_random-s{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}"
+    )
