@@ -281,7 +281,8 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
     notes = (
         "\nτ = tokens per target verify forward, bonus included (shared/design.md §3), from each "
         "run's final evaluation; mean ± half-width of the 95% Student t-interval over the "
-        "group's runs (seeds), no ± for a single run. speedup = AR / speculative wall time at "
+        "group's runs (seeds), no ± for a single run. speedup = speculative / AR tokens/s on "
+        "the same prompts in the same process (decoding/metrics.py) at "
         f"the headline temperature ({head_tag}); α_i = per-position conditional acceptance "
         "and proxy τ = the training proxy's prediction, both at that temperature (means). "
         "train s = wall time of the training loop including checkpoint evaluations."
