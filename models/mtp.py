@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -111,7 +112,9 @@ class MTP(nn.Module):
         self.rotary = LlamaRotaryEmbedding(self.block_config)  # inv_freq is a non-persistent buffer
 
     def head(self, target: Target, module: MTPModule, hidden: Tensor) -> Tensor:
-        return target.lm_head(module.final_norm(hidden))  # [B, L, V]
+        # The frozen head may be in another dtype (a bf16 target under an fp32 draft).
+        weight = target.lm_head.weight
+        return F.linear(module.final_norm(hidden).to(weight.dtype), weight)  # [B, L, V]
 
     def forward(
         self,
