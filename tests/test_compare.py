@@ -126,13 +126,14 @@ def test_compare_table_matches_run_summaries(sweep, tmp_path):
             )
         mean, half = _ci95([e["greedy/proxy_tau"] for e in evals])
         assert row["proxy τ"] == f"{mean:.3f} ± {half:.3f}"
-        mean, half = _ci95([s["wall_s"] for s in summaries])
-        assert row["train s"] == f"{mean:.1f} ± {half:.1f}"
+        mean, half = _ci95([s["train_s"] for s in summaries])
+        assert row["train s"] == f"{mean:.1f} ± {half:.1f}" and row["steps"] == "4"
+        assert all(s["train_s"] < s["wall_s"] for s in summaries)  # evaluations left out
 
         group = next(g for g in json.loads((out / "comparison.json").read_text())["groups"]
                      if g["values"] == {"loss.name": loss})  # fmt: skip
         assert group["tau"]["greedy"]["values"] == [e["greedy/tau"] for e in evals]  # exact
-        assert group["train_time_s"]["values"] == [s["wall_s"] for s in summaries]
+        assert group["train_time_s"]["values"] == [s["train_s"] for s in summaries]
 
     for name in ("tau_vs_step.png", "acceptance_per_position.png", "proxy_vs_measured.png"):
         data = (out / name).read_bytes()
@@ -197,7 +198,7 @@ def test_grouping_and_interval_on_synthetic_runs(tmp_path):
     assert s["alpha"][2] is None  # position never reached: no number, not 0
     rows = _table_rows(markdown_table([kl, tv], ["loss.name"]))
     assert rows["kl"]["τ greedy"] == "2.500 ± 1.242" and rows["kl"]["τ T0.7"] == "2.300 ± 1.242"
-    assert rows["kl"]["train s"] == "12.0 ± 5.0" and rows["kl"]["α_3"] == "–"
+    assert rows["kl"]["train s"] == "12.0 ± 5.0" and rows["kl"]["α_3"] == "–"  # wall_s fallback
     assert rows["tv"]["τ greedy"] == "3.200" and rows["tv"]["seeds"] == "0"  # one run: no ±
     assert mean_ci([1.0]) == {"mean": 1.0, "ci95": None, "n": 1, "values": [1.0]}
     with pytest.raises(FileNotFoundError, match="summary.json"):

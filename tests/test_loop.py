@@ -212,3 +212,38 @@ def test_draft_lm_lora_on_pretrained(tmp_path, tiny_target):
     assert trainable and all("lora_" in n for n in trainable)
     with pytest.raises(ValueError, match="lora_rank > 0 needs a pretrained draft"):
         from_target(tiny_target, lora_rank=4)
+
+
+def test_time_budget_stops_with_checkpoint_and_eval(tmp_path):
+    from train.loop import run
+
+    # Any optimizer step takes longer than a microsecond: the budget ends the run after step 1,
+    # which still gets its checkpoint, evaluation and summary.
+    summary = run(compose_debug(tmp_path / "short", "train.steps=6", "train.time_budget_s=1e-6"))
+    assert summary["steps"] == 1 and summary["stopped_by"] == "time_budget"
+    assert 0 < summary["train_s"] < summary["wall_s"]  # the evaluation is not training time
+    assert [p.name for p in list_checkpoints(tmp_path / "short")] == ["step_00000001"]
+    assert [(x["kind"], x["step"]) for x in _lines(tmp_path / "short")] == [
+        ("train", 1),
+        ("eval", 1),
+    ]
+    _, _, state = load_checkpoint(tmp_path / "short" / "checkpoints" / "step_00000001")
+    assert state["train_s"] == pytest.approx(summary["train_s"], abs=0.01)
+
+    long = run(compose_debug(tmp_path / "long", "train.steps=3", "train.time_budget_s=1e9"))
+    assert long["steps"] == 3 and long["stopped_by"] == "steps"
+    with pytest.raises(ValueError, match="time_budget_s must be > 0"):
+        run(compose_debug(tmp_path / "bad", "train.time_budget_s=0"))
+
+
+def test_lr_schedule_follows_the_time_budget():
+    from train.loop import _lr_lambda
+
+    spent = {"share": 0.0}
+    by_time = _lr_lambda(2, 1000, 0.1, lambda: spent["share"])
+    by_step = _lr_lambda(2, 10, 0.1)
+    assert by_time(0) == by_step(0) == 0.5  # warmup counts steps either way
+    for share, step in [(0.0, 2), (0.5, 6), (1.0, 10), (3.0, 10)]:
+        spent["share"] = share  # share of the budget spent = share of the cosine done
+        assert by_time(step) == pytest.approx(by_step(step))
+    assert by_time(500) == pytest.approx(0.1)  # budget spent: floor, whatever the step

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -166,3 +168,44 @@ def load_draft(
     draft = hydra.utils.instantiate(draft_cfg.model, target=target, token_counts=None)
     draft.load_state_dict(draft_state, strict=True)
     return draft.to(device or target.device)
+
+
+def resume_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Path | None:
+    """Decide, before anything heavy, whether a run starts fresh (None) or resumes from the
+    returned checkpoint; removes a crashed write's partial directory."""
+    clean_partial(run_dir)
+    newest = latest_checkpoint(run_dir)
+    if resume and overwrite:
+        raise ValueError("resume=true and overwrite=true contradict each other; pass one of them")
+    if resume:
+        if newest is None:
+            raise FileNotFoundError(
+                f"resume=true but {run_dir}/checkpoints holds no checkpoint. Drop resume=true to "
+                "start a new run, or set name/seed/run_dir to the run you want to continue."
+            )
+        return newest
+    if newest is not None and not overwrite:
+        raise FileExistsError(
+            f"{run_dir} already has checkpoints (newest: {newest.name}). Pass resume=true to "
+            "continue that run, overwrite=true to delete them and start afresh, or choose "
+            "another name/seed/run_dir."
+        )
+    return None
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch, python, numpy, cuda), for bit-exact resume."""
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra.utils
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object, set_seed
@@ -34,7 +33,13 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from train.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import (
+    load_checkpoint,
+    resume_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from train.data import collate, prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.losses import LOSSES, acceptance_proxy, simulated_tau, top1_agreement
@@ -81,34 +86,19 @@ def _make_accelerator(cfg: DictConfig) -> Accelerator:
     )
 
 
-def check_run_dir(cfg: DictConfig) -> Path | None:
-    """Decide, before anything heavy, whether this run starts fresh or resumes (-> ckpt)."""
-    run_dir = Path(cfg.run_dir)
-    clean_partial(run_dir)
-    newest = latest_checkpoint(run_dir)
-    if cfg.resume and cfg.overwrite:
-        raise ValueError("resume=true and overwrite=true contradict each other; pass one of them")
-    if cfg.resume:
-        if newest is None:
-            raise FileNotFoundError(
-                f"resume=true but {run_dir}/checkpoints holds no checkpoint. Drop resume=true to "
-                "start a new run, or set name/seed/run_dir to the run you want to continue."
-            )
-        return newest
-    if newest is not None and not cfg.overwrite:
-        raise FileExistsError(
-            f"{run_dir} already has checkpoints (newest: {newest.name}). Pass resume=true to "
-            "continue that run, overwrite=true to delete them and start afresh, or choose "
-            "another name/seed/run_dir."
-        )
-    return None
+def _lr_lambda(warmup: int, total: int, min_ratio: float, time_progress=None):
+    """Linear warmup over `warmup` steps, then cosine to `min_ratio`. The cosine's progress
+    is (step - warmup) / (total - warmup), or `time_progress()` (spent share of a training
+    time budget) when given: a run stopped by its budget then anneals as fully as one
+    stopped by its step count, however slow its steps are."""
 
-
-def _lr_lambda(warmup: int, total: int, min_ratio: float):
     def fn(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if time_progress is not None:
+            progress = min(1.0, time_progress())
+        else:
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn
@@ -123,23 +113,6 @@ def global_rows(step: int, rows_per_step: int, num_rows: int, seed: int) -> list
         g = torch.Generator().manual_seed(seed * 100_003 + epoch)
         out.append(int(torch.randperm(num_rows, generator=g)[pos]))
     return out
-
-
-def _rng_state() -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _preflight(draft, target, sample_ids: torch.Tensor) -> list[int]:
@@ -169,7 +142,7 @@ def run(cfg: DictConfig) -> dict:
         accelerator.num_processes,
     )
     run_dir = Path(cfg.run_dir)
-    resume_from = check_run_dir(cfg)
+    resume_from = resume_checkpoint(Path(cfg.run_dir), bool(cfg.resume), bool(cfg.overwrite))
     accelerator.wait_for_everyone()
     if main and cfg.overwrite and resume_from is None:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -197,8 +170,21 @@ def run(cfg: DictConfig) -> dict:
     optimizer = torch.optim.AdamW(
         params, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay
     )
+    # Training time so far: optimizer steps with their replay rollouts, not checkpoints or
+    # evaluations. With train.time_budget_s the run stops once it is spent (tc.steps is then
+    # a cap), which is how runs of different step cost are compared at equal wall-clock.
+    budget = tc.get("time_budget_s")
+    if budget is not None and budget <= 0:
+        raise ValueError(f"train.time_budget_s must be > 0 seconds or null, got {budget}")
+    clock = {"train_s": 0.0}
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(oc.warmup_steps, tc.steps, oc.min_lr_ratio)
+        optimizer,
+        _lr_lambda(
+            oc.warmup_steps,
+            tc.steps,
+            oc.min_lr_ratio,
+            None if budget is None else lambda: clock["train_s"] / budget,
+        ),
     )
     replay = None  # on-policy replay of the draft's own rollouts (train/replay.py)
     if cfg.get("replay") is not None and cfg.replay.enabled:
@@ -225,10 +211,11 @@ def run(cfg: DictConfig) -> dict:
         draft.load_state_dict(draft_state, strict=True)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"][rank])
+        set_rng_state(state["rng"][rank])
         if replay is not None and state.get("replay"):
             replay.load_state_dict(state["replay"][rank])
         start_step = state["step"]
+        clock["train_s"] = state.get("train_s", 0.0)
     draft, optimizer = accelerator.prepare(draft, optimizer)  # scheduler stepped by hand
     core = accelerator.unwrap_model(draft)
 
@@ -283,6 +270,8 @@ def run(cfg: DictConfig) -> dict:
     t_run = time.perf_counter()
     bar = tqdm(total=tc.steps, initial=start_step, disable=not main, desc=str(cfg.name))
 
+    done = start_step
+    out_of_time = False
     for step in range(start_step, tc.steps):
         t_step = time.perf_counter()
         rows = global_rows(step, rows_per_step, len(train_rows), cfg.seed)
@@ -322,7 +311,7 @@ def run(cfg: DictConfig) -> dict:
                 torch.cuda.synchronize()
             t_target += time.perf_counter() - t0
             sync = a == tc.grad_accum - 1
-            with accelerator.no_sync(draft) if not sync else _nullcontext():
+            with accelerator.no_sync(draft) if not sync else nullcontext():
                 out = draft(target, b["input_ids"], t_out, b["attention_mask"])
                 loss = _offset_losses(
                     out, t_out.logits, b, offsets, counts, loss_fn, temperature, cfg, stats
@@ -351,24 +340,29 @@ def run(cfg: DictConfig) -> dict:
                 "Lower optim.lr, enable gradient clipping (train.max_grad_norm) or check the data."
             )
         optimizer.step()
+        step_time = time.perf_counter() - t_step
+        clock["train_s"] += step_time
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        window.add(
-            stats, counts, loss_value, float(grad_norm), t_target, time.perf_counter() - t_step
-        )
+        window.add(stats, counts, loss_value, float(grad_norm), t_target, step_time)
         done = step + 1
         bar.update(1)
-        if done % tc.log_every == 0 or done == tc.steps:
+        out_of_time = False
+        if budget is not None:  # every rank stops at the same step
+            spent = torch.tensor(float(clock["train_s"] >= budget), device=accelerator.device)
+            out_of_time = bool(accelerator.reduce(spent, reduction="sum") > 0)
+        last = done == tc.steps or out_of_time
+        if done % tc.log_every == 0 or last:
             rec = window.flush(done, scheduler.get_last_lr()[0], k_decode, offsets)
             if replay is not None:
                 rec.update(replay.flush())
             bar.set_postfix(loss=f"{rec['loss']:.4f}", alpha=f"{rec['alpha'][0]:.3f}")
             log(rec)
             proxy = rec
-        if done % tc.ckpt_every == 0 or done == tc.steps:
+        if done % tc.ckpt_every == 0 or last:
             # Collectives first, on every rank (FSDP gathers the full state dict here).
             draft_state = accelerator.get_state_dict(draft)
-            rng_all = gather_object([_rng_state()])  # one entry per rank
+            rng_all = gather_object([rng_state()])  # one entry per rank
             replay_all = gather_object([replay.state_dict()]) if replay is not None else None
             if main:
                 state = {
@@ -379,6 +373,7 @@ def run(cfg: DictConfig) -> dict:
                     "scheduler": scheduler.state_dict(),
                     "rng": rng_all,
                     "replay": replay_all,  # every rank's buffer
+                    "train_s": clock["train_s"],
                 }
                 last_ckpt = str(
                     save_checkpoint(
@@ -392,25 +387,29 @@ def run(cfg: DictConfig) -> dict:
                     )
                 )
                 if tc.eval_at_ckpt:
-                    rng = _rng_state()  # evaluation must not shift the training RNG stream
+                    rng = rng_state()  # evaluation must not shift the training RNG stream
                     last_eval, target_eval = evaluate_checkpoint(
                         target, core, prepared.eval_prompts, cfg, proxy, target_eval
                     )
-                    _set_rng_state(rng)
+                    set_rng_state(rng)
                     last_eval["step"] = done
                     eval_history.append(last_eval)
                     log({"kind": "eval", **last_eval})
             accelerator.wait_for_everyone()
+        if out_of_time:
+            break
     bar.close()
 
     summary = {}
     if main:
         wall = time.perf_counter() - t_run
-        steps_run = tc.steps - start_step
+        steps_run = done - start_step
         summary = {
             "name": str(cfg.name),
             "run_dir": str(run_dir),
-            "steps": tc.steps,
+            "steps": done,
+            "stopped_by": "time_budget" if out_of_time else "steps",
+            "train_s": round(clock["train_s"], 2),  # steps + rollouts, all sessions of the run
             "resumed_from": str(resume_from) if resume_from else None,
             "last_checkpoint": last_ckpt,
             "world_size": world,
@@ -420,7 +419,7 @@ def run(cfg: DictConfig) -> dict:
             "target_time_share": window.total_target / window.total_time
             if window.total_time
             else None,
-            "final_train": proxy if tc.steps > start_step else None,
+            "final_train": proxy if done > start_step else None,
             "final_eval": last_eval or None,
             "tau_curve": [[e["step"], e.get("tau")] for e in eval_history],
             "data_stats": prepared.stats,
@@ -517,11 +516,3 @@ class _Window:
             rec[f"alpha_{i}"], rec[f"top1_{i}"] = alpha[i], top1[i]
         self._reset()
         return rec
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

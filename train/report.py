@@ -239,7 +239,11 @@ def summarize_group(group: Group) -> dict:
         "speedup": mean_ci([e.get("speedup") for e in evals]),
         "alpha": _mean_list([e.get(f"{head}/alpha") or [] for e in evals]),
         "proxy_tau": mean_ci([e.get(f"{head}/proxy_tau") for e in evals]),
-        "train_time_s": mean_ci([r.summary.get("wall_s") for r in group.runs]),
+        # Training time without checkpoint evaluations (train_s); runs written before
+        # train_s existed only have wall_s, which includes them.
+        "train_time_s": mean_ci(
+            [r.summary.get("train_s", r.summary.get("wall_s")) for r in group.runs]
+        ),
         "steps": sorted({r.summary.get("steps") for r in group.runs}, key=str),
     }
 
@@ -265,7 +269,7 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
     head_tag = stats[0]["headline"] if stats else None
     header = [*(keys or ["runs"]), "seeds"]
     header += [f"τ {t}" for t in tags] + [f"speedup ({head_tag})"]
-    header += [f"α_{i + 1}" for i in range(k)] + ["proxy τ", "train s"]
+    header += [f"α_{i + 1}" for i in range(k)] + ["proxy τ", "steps", "train s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for g, s in zip(groups, stats):
         cells = [str(v) for v in g.values.values()] or ["all"]
@@ -276,7 +280,11 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
             "–" if i >= len(s["alpha"]) or s["alpha"][i] is None else f"{s['alpha'][i]:.3f}"
             for i in range(k)
         ]
-        cells += [_fmt(s["proxy_tau"]), _fmt(s["train_time_s"], 1)]
+        steps = [x for x in s["steps"] if x is not None]
+        steps_cell = "–" if not steps else f"{min(steps)}–{max(steps)}"
+        if steps and min(steps) == max(steps):
+            steps_cell = str(steps[0])
+        cells += [_fmt(s["proxy_tau"]), steps_cell, _fmt(s["train_time_s"], 1)]
         lines.append("| " + " | ".join(cells) + " |")
     notes = (
         "\nτ = tokens per target verify forward, bonus included (shared/design.md §3), from each "
@@ -285,7 +293,9 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
         "the same prompts in the same process (decoding/metrics.py) at "
         f"the headline temperature ({head_tag}); α_i = per-position conditional acceptance "
         "and proxy τ = the training proxy's prediction, both at that temperature (means). "
-        "train s = wall time of the training loop including checkpoint evaluations."
+        "steps = optimizer steps run (a range when a time budget stopped the seeds at "
+        "different steps); train s = training time (steps and replay rollouts, without "
+        "checkpoints and evaluations; runs older than that field: wall time including them)."
     )
     runs = [r for g in groups for r in g.runs]
     implied = [k for k in differing_keys(runs) if k not in keys]
@@ -475,6 +485,8 @@ def wandb_summary(summary: dict) -> dict[str, float | None]:
         "final/tau": ev.get("tau"),
         "final/speedup": ev.get("speedup"),
         "final/train_wall_s": summary.get("wall_s"),
+        "final/train_s": summary.get("train_s"),
+        "final/steps": summary.get("steps"),
         "final/loss": tr.get("loss"),
         "final/sim_tau": tr.get("sim_tau"),
     }
