@@ -198,7 +198,8 @@ def test_grouping_and_interval_on_synthetic_runs(tmp_path):
     assert s["alpha"][2] is None  # position never reached: no number, not 0
     rows = _table_rows(markdown_table([kl, tv], ["loss.name"]))
     assert rows["kl"]["τ greedy"] == "2.500 ± 1.242" and rows["kl"]["τ T0.7"] == "2.300 ± 1.242"
-    assert rows["kl"]["train s"] == "12.0 ± 5.0" and rows["kl"]["α_3"] == "–"  # wall_s fallback
+    assert rows["kl"]["wall s"] == "12.0 ± 5.0" and rows["kl"]["α_3"] == "–"  # no train_s
+    assert "train s" not in rows["kl"] and s["train_time_s"]["mean"] is None
     assert rows["tv"]["τ greedy"] == "3.200" and rows["tv"]["seeds"] == "0"  # one run: no ±
     assert mean_ci([1.0]) == {"mean": 1.0, "ci95": None, "n": 1, "values": [1.0]}
     with pytest.raises(FileNotFoundError, match="summary.json"):

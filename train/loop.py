@@ -268,7 +268,15 @@ def run(cfg: DictConfig) -> dict:
     last_ckpt = str(resume_from) if resume_from else None
     target_eval = None  # bf16 copy of the frozen target, built once at the first eval
     t_run = time.perf_counter()
-    bar = tqdm(total=tc.steps, initial=start_step, disable=not main, desc=str(cfg.name))
+    # With a time budget the bar counts training seconds: the step count is not known ahead.
+    bar = tqdm(
+        total=tc.steps if budget is None else budget,
+        initial=start_step if budget is None else clock["train_s"],
+        unit="step" if budget is None else "s",
+        disable=not main,
+        desc=str(cfg.name) if budget is None else f"{cfg.name} (time budget)",
+        bar_format=None if budget is None else "{l_bar}{bar}| {n:.0f}/{total:.0f} s{postfix}",
+    )
 
     done = start_step
     out_of_time = False
@@ -346,7 +354,7 @@ def run(cfg: DictConfig) -> dict:
         optimizer.zero_grad(set_to_none=True)
         window.add(stats, counts, loss_value, float(grad_norm), t_target, step_time)
         done = step + 1
-        bar.update(1)
+        bar.update(1 if budget is None else min(step_time, budget - bar.n))
         out_of_time = False
         if budget is not None:  # every rank stops at the same step
             spent = torch.tensor(float(clock["train_s"] >= budget), device=accelerator.device)

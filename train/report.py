@@ -239,11 +239,10 @@ def summarize_group(group: Group) -> dict:
         "speedup": mean_ci([e.get("speedup") for e in evals]),
         "alpha": _mean_list([e.get(f"{head}/alpha") or [] for e in evals]),
         "proxy_tau": mean_ci([e.get(f"{head}/proxy_tau") for e in evals]),
-        # Training time without checkpoint evaluations (train_s); runs written before
-        # train_s existed only have wall_s, which includes them.
-        "train_time_s": mean_ci(
-            [r.summary.get("train_s", r.summary.get("wall_s")) for r in group.runs]
-        ),
+        # train_s: steps (+ rollouts) only; wall_s: the whole loop, evaluations included.
+        # Runs written before train_s existed have wall_s alone (their train_time_s: None).
+        "train_time_s": mean_ci([r.summary.get("train_s") for r in group.runs]),
+        "wall_time_s": mean_ci([r.summary.get("wall_s") for r in group.runs]),
         "steps": sorted({r.summary.get("steps") for r in group.runs}, key=str),
     }
 
@@ -269,7 +268,11 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
     head_tag = stats[0]["headline"] if stats else None
     header = [*(keys or ["runs"]), "seeds"]
     header += [f"τ {t}" for t in tags] + [f"speedup ({head_tag})"]
-    header += [f"α_{i + 1}" for i in range(k)] + ["proxy τ", "steps", "train s"]
+    # One time column measured the same way for every row: train_s if every run has it.
+    by_train = all(r.summary.get("train_s") is not None for g in groups for r in g.runs)
+    time_col = "train_time_s" if by_train else "wall_time_s"
+    header += [f"α_{i + 1}" for i in range(k)] + ["proxy τ", "steps"]
+    header.append("train s" if by_train else "wall s")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for g, s in zip(groups, stats):
         cells = [str(v) for v in g.values.values()] or ["all"]
@@ -284,7 +287,7 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
         steps_cell = "–" if not steps else f"{min(steps)}–{max(steps)}"
         if steps and min(steps) == max(steps):
             steps_cell = str(steps[0])
-        cells += [_fmt(s["proxy_tau"]), steps_cell, _fmt(s["train_time_s"], 1)]
+        cells += [_fmt(s["proxy_tau"]), steps_cell, _fmt(s[time_col], 1)]
         lines.append("| " + " | ".join(cells) + " |")
     notes = (
         "\nτ = tokens per target verify forward, bonus included (shared/design.md §3), from each "
@@ -294,8 +297,14 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
         f"the headline temperature ({head_tag}); α_i = per-position conditional acceptance "
         "and proxy τ = the training proxy's prediction, both at that temperature (means). "
         "steps = optimizer steps run (a range when a time budget stopped the seeds at "
-        "different steps); train s = training time (steps and replay rollouts, without "
-        "checkpoints and evaluations; runs older than that field: wall time including them)."
+        "different steps); "
+        + (
+            "train s = training time (steps and replay rollouts, without checkpoints and "
+            "evaluations)."
+            if by_train
+            else "wall s = wall time of the training loop including checkpoint evaluations "
+            "(some runs predate the train-time-only field)."
+        )
     )
     runs = [r for g in groups for r in g.runs]
     implied = [k for k in differing_keys(runs) if k not in keys]
@@ -347,28 +356,54 @@ def plot_tau_vs_step(groups: list[Group]):
 
 
 def plot_acceptance_per_position(groups: list[Group]):
-    """Per-position conditional acceptance α_i of the final evaluation, mean over each
-    group's runs with a 95% t-interval (a loss sweep: one line per loss)."""
+    """Per-position acceptance of the final evaluation, per group (one line per loss in a
+    loss sweep), mean over the group's runs with a 95% t-interval. Left: cumulative
+    P(drafts 1..i all accepted), whose sum + 1 is τ. Right: conditional α_i, annotated with
+    the verify rounds that reached position i (pooled over runs): deep positions rest on
+    few rounds, so their α_i is noisy where the cumulative curve is not."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, (ax_cum, ax_cond) = plt.subplots(1, 2, figsize=(10.5, 4.2))
     labels, title = _labels(groups)
     head = None
     for i, (g, label) in enumerate(zip(groups, labels)):
         head = eval_tags(g.runs[0].final_eval)[0] if g.runs[0].final_eval else head
-        lists = [r.final_eval.get(f"{head}/alpha") or [] for r in g.runs]
-        k = max((len(x) for x in lists), default=0)
-        stats = [mean_ci([x[j] for x in lists if j < len(x)]) for j in range(k)]
-        shown = [(j + 1, s) for j, s in enumerate(stats) if s["mean"] is not None]
         shift = (i - (len(groups) - 1) / 2) * 0.06  # keep the error bars of groups apart
-        x = [pos + shift for pos, _ in shown]
-        y, err = [s["mean"] for _, s in shown], [s["ci95"] or 0.0 for _, s in shown]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=label)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylim(0, 1.05)
-    heading = f"Per-position acceptance ({head}, final eval, mean ± 95% CI)"
-    ylabel = "α_i = P(accept i | 1..i−1 accepted)"
-    return _finish(fig, ax, title, "draft position i", ylabel, heading)
+        for ax, key in ((ax_cum, "accept_cumulative"), (ax_cond, "alpha")):
+            lists = [r.final_eval.get(f"{head}/{key}") or [] for r in g.runs]
+            k = max((len(x) for x in lists), default=0)
+            stats = [mean_ci([x[j] for x in lists if j < len(x)]) for j in range(k)]
+            shown = [(j + 1, s) for j, s in enumerate(stats) if s["mean"] is not None]
+            x = [pos + shift for pos, _ in shown]
+            y, err = [s["mean"] for _, s in shown], [s["ci95"] or 0.0 for _, s in shown]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=label)
+        # Rounds reaching position i = rounds that accepted at least i - 1 drafts.
+        hists = [r.final_eval.get(f"{head}/accept_hist") or [] for r in g.runs]
+        width = max((len(h) for h in hists), default=0)
+        pooled = [sum(h[j] for h in hists if j < len(h)) for j in range(width)]
+        for pos in range(1, width):
+            ax_cond.annotate(
+                f"n={sum(pooled[pos - 1 :])}", (pos + 0.08, 0.03 + 0.045 * i),
+                color=f"C{i % 10}", fontsize=7,
+            )  # fmt: skip
+    for ax in (ax_cum, ax_cond):
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    ax_cum.set(
+        xlabel="draft position i",
+        ylabel="P(drafts 1..i accepted)",
+        title="cumulative: τ ≈ 1 + Σ_i",
+    )
+    ax_cond.set(
+        xlabel="draft position i (n: verify rounds that reached i)",
+        ylabel="α_i = P(accept i | 1..i−1 accepted)",
+        title="conditional",
+    )
+    ax_cum.legend(title=title, fontsize=8)
+    fig.suptitle(f"Per-position acceptance ({head}, final eval, mean ± 95% CI over runs)")
+    fig.tight_layout()
+    return fig
 
 
 def plot_proxy_vs_measured(groups: list[Group]):
@@ -463,7 +498,8 @@ def wandb_run_settings(cfg: DictConfig | dict) -> dict:
         group = f"{exp}/{kind}-{loss}-{data}"
     temps = [float(t) for t in flat.get("decode.temperatures") or [0.0]]
     tags = sorted(("greedy" if t == 0.0 else f"T{t:g}" for t in temps), key=lambda t: t != "greedy")
-    keys = ["final/tau", "final/speedup", "final/train_wall_s", "final/loss", "final/sim_tau"]
+    keys = ["final/tau", "final/speedup", "final/train_wall_s", "final/train_s", "final/steps"]
+    keys += ["final/loss", "final/sim_tau"]
     for tag in tags:  # as train/evaluate.py names them
         keys += [f"final/{tag}/{m}" for m in ("tau", "speedup", "proxy_tau")]
         keys += [f"final/{tag}/alpha_{i}" for i in range(1, int(flat.get("decode.k") or 4) + 1)]
