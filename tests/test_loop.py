@@ -230,6 +230,19 @@ def test_time_budget_stops_with_checkpoint_and_eval(tmp_path):
     _, _, state = load_checkpoint(tmp_path / "short" / "checkpoints" / "step_00000001")
     assert state["train_s"] == pytest.approx(summary["train_s"], abs=0.01)
 
+    # Resuming a run whose budget is spent trains no further and keeps its records.
+    again = run(
+        compose_debug(
+            tmp_path / "short", "train.steps=6", "train.time_budget_s=1e-6", "resume=true"
+        )
+    )
+    assert again["steps"] == 1 and again["stopped_by"] == "time_budget"
+    # ...and its summary still holds the evaluation and train record from before the resume.
+    assert again["tau_curve"] == summary["tau_curve"] == [[1, summary["final_eval"]["tau"]]]
+    assert again["final_eval"] == summary["final_eval"]
+    assert again["final_train"]["step"] == 1
+    assert [x["step"] for x in _lines(tmp_path / "short")] == [1, 1]
+
     long = run(compose_debug(tmp_path / "long", "train.steps=3", "train.time_budget_s=1e9"))
     assert long["steps"] == 3 and long["stopped_by"] == "steps"
     with pytest.raises(ValueError, match="time_budget_s must be > 0"):

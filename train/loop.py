@@ -262,16 +262,23 @@ def run(cfg: DictConfig) -> dict:
     rows_per_step = tc.batch_size * world * tc.grad_accum
     n_off = len(offsets)
     window = _Window(n_off)
-    eval_history: list[dict] = []
-    last_eval: dict = {}
-    proxy: dict | None = None  # the newest train log record (alpha per offset, sim tau)
+    # A resumed run's summary covers the whole run: records up to the checkpoint come back.
+    earlier = []
+    if main and resume_from is not None and metrics_path.exists():
+        earlier = [json.loads(ln) for ln in metrics_path.read_text().splitlines()]
+    eval_history = [
+        {k: v for k, v in r.items() if k != "kind"} for r in earlier if r["kind"] == "eval"
+    ]
+    last_eval: dict = eval_history[-1] if eval_history else {}
+    trained = [r for r in earlier if r["kind"] == "train"]
+    proxy = trained[-1] if trained else None  # the newest train record (alpha per offset, sim tau)
     last_ckpt = str(resume_from) if resume_from else None
     target_eval = None  # bf16 copy of the frozen target, built once at the first eval
     t_run = time.perf_counter()
     # With a time budget the bar counts training seconds: the step count is not known ahead.
     bar = tqdm(
         total=tc.steps if budget is None else budget,
-        initial=start_step if budget is None else clock["train_s"],
+        initial=start_step if budget is None else min(clock["train_s"], budget),
         unit="step" if budget is None else "s",
         disable=not main,
         desc=str(cfg.name) if budget is None else f"{cfg.name} (time budget)",
@@ -279,8 +286,9 @@ def run(cfg: DictConfig) -> dict:
     )
 
     done = start_step
-    out_of_time = False
-    for step in range(start_step, tc.steps):
+    # A resumed run whose budget was already spent trains no further.
+    out_of_time = budget is not None and clock["train_s"] >= budget
+    for step in range(start_step, tc.steps if not out_of_time else start_step):
         t_step = time.perf_counter()
         rows = global_rows(step, rows_per_step, len(train_rows), cfg.seed)
         micro = []
@@ -427,7 +435,7 @@ def run(cfg: DictConfig) -> dict:
             "target_time_share": window.total_target / window.total_time
             if window.total_time
             else None,
-            "final_train": proxy if done > start_step else None,
+            "final_train": proxy,
             "final_eval": last_eval or None,
             "tau_curve": [[e["step"], e.get("tau")] for e in eval_history],
             "data_stats": prepared.stats,
