@@ -26,9 +26,8 @@ from train.report import (
     mean_ci,
     summarize_group,
     t_quantile_975,
-    wandb_run_settings,
-    wandb_summary,
 )
+from train.tracking import wandb_run_settings, wandb_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANT = "train.ckpt_every=2,train.steps=4"  # the sweep's non-swept overrides, as in run_dir

@@ -159,7 +159,7 @@ def test_ce_data_labels_align_with_target_argmax(tmp_path):
     the data label x_{t+1} IS the target's argmax at t: both CE variants agree exactly.
     An off-by-one in the label shift breaks this."""
     from train.data import collate, prepare_data
-    from train.loop import _offset_losses
+    from train.step_stats import offset_losses
     from train.target import build_tiny_random
 
     target = build_tiny_random(vocab_size=128, device="cpu")
@@ -176,7 +176,7 @@ def test_ce_data_labels_align_with_target_argmax(tmp_path):
     for labels in ("data", "target"):
         c = compose_debug(tmp_path, "loss=ce", f"loss.labels={labels}")
         stats = torch.zeros(5)
-        losses[labels] = _offset_losses(
+        losses[labels] = offset_losses(
             out, t_out.logits, batch, [0], count, train.losses.cross_entropy, 1.0, c, stats
         ).item()
     assert losses["data"] == pytest.approx(losses["target"], rel=1e-6)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -42,9 +41,10 @@ from train.checkpoint import (
 )
 from train.data import collate, prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
-from train.losses import LOSSES, acceptance_proxy, simulated_tau, top1_agreement
+from train.losses import LOSSES
 from train.replay import Replay
-from train.report import wandb_run_settings, wandb_summary
+from train.step_stats import StepWindow, offset_losses
+from train.tracking import setup_wandb_env, wandb_run_settings, wandb_summary
 
 
 class TrainingDiverged(RuntimeError):
@@ -62,20 +62,10 @@ def _instantiate(node: DictConfig, **kwargs):
         raise
 
 
-def _setup_wandb_env() -> None:
-    """Offline unless a key is configured; an explicit WANDB_MODE always wins."""
-    if "WANDB_MODE" in os.environ:
-        return
-    netrc = Path.home() / ".netrc"
-    has_netrc_key = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
-    if not os.environ.get("WANDB_API_KEY") and not has_netrc_key:
-        os.environ["WANDB_MODE"] = "offline"
-
-
 def _make_accelerator(cfg: DictConfig) -> Accelerator:
     log_with = None
     if cfg.logger.kind == "wandb":
-        _setup_wandb_env()
+        setup_wandb_env()
         log_with = "wandb"
     elif cfg.logger.kind != "none":
         raise ValueError(f"logger.kind must be 'wandb' or 'none', got {cfg.logger.kind!r}")
@@ -261,7 +251,7 @@ def run(cfg: DictConfig) -> dict:
     k_decode = int(cfg.decode.k)
     rows_per_step = tc.batch_size * world * tc.grad_accum
     n_off = len(offsets)
-    window = _Window(n_off)
+    window = StepWindow(n_off)
     # A resumed run's summary covers the whole run: records up to the checkpoint come back.
     earlier = []
     if main and resume_from is not None and metrics_path.exists():
@@ -288,7 +278,8 @@ def run(cfg: DictConfig) -> dict:
     done = start_step
     # A resumed run whose budget was already spent trains no further.
     out_of_time = budget is not None and clock["train_s"] >= budget
-    for step in range(start_step, tc.steps if not out_of_time else start_step):
+    last_step = start_step if out_of_time else tc.steps
+    for step in range(start_step, last_step):
         t_step = time.perf_counter()
         rows = global_rows(step, rows_per_step, len(train_rows), cfg.seed)
         micro = []
@@ -329,7 +320,7 @@ def run(cfg: DictConfig) -> dict:
             sync = a == tc.grad_accum - 1
             with accelerator.no_sync(draft) if not sync else nullcontext():
                 out = draft(target, b["input_ids"], t_out, b["attention_mask"])
-                loss = _offset_losses(
+                loss = offset_losses(
                     out, t_out.logits, b, offsets, counts, loss_fn, temperature, cfg, stats
                 )
                 loss = loss * world * (1.0 - replay_share)
@@ -448,87 +439,3 @@ def run(cfg: DictConfig) -> dict:
             print(format_eval_table(eval_history), flush=True)
     accelerator.end_training()
     return summary
-
-
-def _offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperature, cfg, stats):
-    """Sum over offsets of gamma^i * loss_i, each normalised by the global count."""
-    total, n_off, T = 0.0, len(offsets), batch["input_ids"].shape[1]
-    for i, (logits, off) in enumerate(zip(out.logits, offsets, strict=True)):
-        if off != out.offsets[i]:
-            raise ValueError(
-                f"the draft changed its offsets between calls ({offsets} -> {out.offsets})"
-            )
-        d = logits[:, : T - off].float()  # [B, T-off, Vd]
-        t = target_logits[:, off:]  # [B, T-off, V]
-        if out.vocab_ids is not None:
-            t = t.index_select(-1, out.vocab_ids.to(t.device))  # [B, T-off, Vd]
-        d, t = d.reshape(-1, d.shape[-1]), t.reshape(-1, t.shape[-1])  # [N, Vd]
-        mask = batch["loss_mask"][:, off:].reshape(-1)  # [N]
-        kwargs = {}
-        if cfg.loss.name == "ce" and cfg.loss.get("labels", "target") == "data":
-            ids = batch["input_ids"]
-            pad = ids.new_zeros(ids.shape[0], 1)
-            labels = torch.cat([ids[:, off + 1 :], pad], 1)  # [B, T-off]: x_{t+off+1}
-            if out.vocab_ids is not None:
-                raise ValueError(
-                    "loss.labels=data needs a full-vocabulary draft; use labels=target"
-                )
-            kwargs["labels"] = labels.reshape(-1)
-        loss_sum = loss_fn(d, t, mask, temperature=temperature, reduction="sum", **kwargs)
-        total = total + cfg.train.offset_decay**i * loss_sum / counts[i]
-        stats[i] += loss_sum.detach()
-        stats[n_off + i] += acceptance_proxy(d, t, mask, reduction="sum")
-        stats[2 * n_off + i] += top1_agreement(d, t, mask, reduction="sum")
-    return total
-
-
-class _Window:
-    """Running sums between two log lines, plus run totals for the summary."""
-
-    def __init__(self, n_off: int):
-        self.n_off = n_off
-        self.total_tokens = self.total_time = self.total_target = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.sums = torch.zeros(3 * self.n_off + 2)
-        self.counts = torch.zeros(self.n_off)
-        self.loss = self.grad_norm = self.time = self.target_time = 0.0
-        self.steps = 0
-
-    def add(self, stats, counts, loss, grad_norm, t_target, t_step) -> None:
-        self.sums += stats.cpu()
-        self.counts += counts.cpu()
-        self.loss += loss
-        self.grad_norm += grad_norm
-        self.time += t_step
-        self.target_time += t_target
-        self.steps += 1
-        self.total_tokens += float(stats[-1])
-        self.total_time += t_step
-        self.total_target += t_target
-
-    def flush(self, step: int, lr: float, k: int, offsets: list[int]) -> dict:
-        n = self.n_off
-        alpha = (self.sums[n : 2 * n] / self.counts).tolist()
-        top1 = (self.sums[2 * n : 3 * n] / self.counts).tolist()
-        rec = {
-            "kind": "train",
-            "step": step,
-            "loss": self.loss / self.steps,
-            "loss_per_offset": (self.sums[:n] / self.counts).tolist(),
-            "offsets": offsets,
-            "alpha": alpha,
-            "top1": top1,
-            "sim_tau": simulated_tau(alpha, k),
-            "sim_tau_greedy": simulated_tau(top1, k),
-            "lr": lr,
-            "grad_norm": self.grad_norm / self.steps,
-            "steps_per_s": self.steps / self.time,
-            "tokens_per_s": float(self.sums[-1]) / self.time,
-            "target_time_share": self.target_time / self.time,
-        }
-        for i in range(n):
-            rec[f"alpha_{i}"], rec[f"top1_{i}"] = alpha[i], top1[i]
-        self._reset()
-        return rec

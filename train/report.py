@@ -1,7 +1,7 @@
 """Compare training runs: load run directories, group them, aggregate over seeds, plot.
 
-Shared by scripts/compare.py (markdown + PNGs), notebooks/acceptance.ipynb (same plots,
-interactive) and the W&B settings of the training loop, so the numbers agree everywhere.
+Shared by scripts/compare.py (markdown + PNGs) and notebooks/acceptance.ipynb (same plots,
+interactive), so the numbers agree everywhere; train/tracking.py names W&B runs the same way.
 No network: everything is read from run directories written by train/loop.py:
 
     <run_dir>/config.yaml      resolved config
@@ -27,10 +27,10 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 # Config fields that never define a group: where a run is, how it is logged or resumed.
 RUN_MANAGEMENT = ("seed", "name", "run_dir", "resume", "overwrite", "device", "logger.")
@@ -284,9 +284,8 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
             for i in range(k)
         ]
         steps = [x for x in s["steps"] if x is not None]
-        steps_cell = "–" if not steps else f"{min(steps)}–{max(steps)}"
-        if steps and min(steps) == max(steps):
-            steps_cell = str(steps[0])
+        lo, hi = (min(steps), max(steps)) if steps else (None, None)
+        steps_cell = "–" if lo is None else str(lo) if lo == hi else f"{lo}–{hi}"
         cells += [_fmt(s["proxy_tau"]), steps_cell, _fmt(s[time_col], 1)]
         lines.append("| " + " | ".join(cells) + " |")
     notes = (
@@ -358,7 +357,7 @@ def plot_tau_vs_step(groups: list[Group]):
 def plot_acceptance_per_position(groups: list[Group]):
     """Per-position acceptance of the final evaluation, per group (one line per loss in a
     loss sweep), mean over the group's runs with a 95% t-interval. Left: cumulative
-    P(drafts 1..i all accepted), whose sum + 1 is τ. Right: conditional α_i, annotated with
+    P(drafts 1..i all accepted), whose sum is about τ − 1. Right: conditional α_i, annotated with
     the verify rounds that reached position i (pooled over runs): deep positions rest on
     few rounds, so their α_i is noisy where the cumulative curve is not."""
     import matplotlib.pyplot as plt
@@ -465,70 +464,3 @@ def write_report(runs: list[Run], out_dir: str | Path, keys: list[str] | None = 
         "table": table,
         "files": [str(out / n) for n in ("comparison.md", "comparison.json", *PLOTS)],
     }
-
-
-# -- W&B ------------------------------------------------------------------------------
-
-
-def data_mode(data: dict | DictConfig) -> str:
-    """'embedded-regen', 'chat.jsonl-orig': where the data came from and who answered it."""
-    source = str(data.get("source", "embedded"))
-    name = PurePosixPath(source.rstrip("/")).name or source
-    return f"{name}-{'regen' if data.get('regenerate', True) else 'orig'}"
-
-
-def wandb_run_settings(cfg: DictConfig | dict) -> dict:
-    """W&B `name`, `group`, `tags` of a run and the `summary_keys` wandb_summary will fill.
-
-    group = runs that differ only in seed: the experiment name plus the overrides that
-    conf/train.yaml puts into run_dir (runs/<name>/<overrides>/seed<N>); a run_dir outside
-    that scheme groups by draft kind, loss and data mode instead. Tags make every axis
-    filterable in W&B's run table."""
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    flat = flatten(cfg)
-    exp, seed = str(flat.get("name")), int(flat.get("seed") or 0)
-    kind, loss = str(flat.get("draft.kind")), str(flat.get("loss.name"))
-    data = data_mode(cfg.get("data") or {})
-    parts = PurePosixPath(str(flat.get("run_dir"))).parts
-    if parts and parts[-1] == f"seed{seed}" and exp in parts[:-1]:
-        at = len(parts) - 2 - parts[:-1][::-1].index(exp)  # the last `exp` before seed<N>
-        group = "/".join([exp, *parts[at + 1 : -1]])
-    else:
-        group = f"{exp}/{kind}-{loss}-{data}"
-    temps = [float(t) for t in flat.get("decode.temperatures") or [0.0]]
-    tags = sorted(("greedy" if t == 0.0 else f"T{t:g}" for t in temps), key=lambda t: t != "greedy")
-    keys = ["final/tau", "final/speedup", "final/train_wall_s", "final/train_s", "final/steps"]
-    keys += ["final/loss", "final/sim_tau"]
-    for tag in tags:  # as train/evaluate.py names them
-        keys += [f"final/{tag}/{m}" for m in ("tau", "speedup", "proxy_tau")]
-        keys += [f"final/{tag}/alpha_{i}" for i in range(1, int(flat.get("decode.k") or 4) + 1)]
-    return {
-        "name": f"{group}/seed{seed}",
-        "group": group,
-        "tags": [f"draft:{kind}", f"loss:{loss}", f"data:{data}", f"exp:{exp}"],
-        "summary_keys": keys,
-    }
-
-
-def wandb_summary(summary: dict) -> dict[str, float | None]:
-    """Flat final numbers for the W&B run summary (W&B keeps only the last value of each
-    logged key and drops lists such as alpha; these land in its table and parallel
-    coordinates): final tau/speedup, per temperature tau, speedup, proxy tau and α_i."""
-    ev = summary.get("final_eval") or {}
-    tr = summary.get("final_train") or {}
-    out: dict[str, float | None] = {
-        "final/tau": ev.get("tau"),
-        "final/speedup": ev.get("speedup"),
-        "final/train_wall_s": summary.get("wall_s"),
-        "final/train_s": summary.get("train_s"),
-        "final/steps": summary.get("steps"),
-        "final/loss": tr.get("loss"),
-        "final/sim_tau": tr.get("sim_tau"),
-    }
-    for tag in eval_tags(ev):
-        for m in ("tau", "speedup", "proxy_tau"):
-            out[f"final/{tag}/{m}"] = ev.get(f"{tag}/{m}")
-        for i, a in enumerate(ev.get(f"{tag}/alpha") or [], 1):
-            out[f"final/{tag}/alpha_{i}"] = a
-    return out

@@ -1,0 +1,87 @@
+"""W&B for training runs: offline unless a key is configured, run names/groups/tags derived
+from the run directory, and the flat final numbers put into each run's summary (so W&B's own
+table and parallel coordinates compare runs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+
+from omegaconf import DictConfig, OmegaConf
+
+from train.report import eval_tags, flatten
+
+
+def setup_wandb_env() -> None:
+    """Offline unless a key is configured; an explicit WANDB_MODE always wins."""
+    if "WANDB_MODE" in os.environ:
+        return
+    netrc = Path.home() / ".netrc"
+    has_netrc_key = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    if not os.environ.get("WANDB_API_KEY") and not has_netrc_key:
+        os.environ["WANDB_MODE"] = "offline"
+
+
+def data_mode(data: dict | DictConfig) -> str:
+    """'embedded-regen', 'chat.jsonl-orig': where the data came from and who answered it."""
+    source = str(data.get("source", "embedded"))
+    name = PurePosixPath(source.rstrip("/")).name or source
+    return f"{name}-{'regen' if data.get('regenerate', True) else 'orig'}"
+
+
+def wandb_run_settings(cfg: DictConfig | dict) -> dict:
+    """W&B `name`, `group`, `tags` of a run and the `summary_keys` wandb_summary will fill.
+
+    group = runs that differ only in seed: the experiment name plus the overrides that
+    conf/train.yaml puts into run_dir (runs/<name>/<overrides>/seed<N>); a run_dir outside
+    that scheme groups by draft kind, loss and data mode instead. Tags make every axis
+    filterable in W&B's run table."""
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    flat = flatten(cfg)
+    exp, seed = str(flat.get("name")), int(flat.get("seed") or 0)
+    kind, loss = str(flat.get("draft.kind")), str(flat.get("loss.name"))
+    data = data_mode(cfg.get("data") or {})
+    parts = PurePosixPath(str(flat.get("run_dir"))).parts
+    if parts and parts[-1] == f"seed{seed}" and exp in parts[:-1]:
+        at = len(parts) - 2 - parts[:-1][::-1].index(exp)  # the last `exp` before seed<N>
+        group = "/".join([exp, *parts[at + 1 : -1]])
+    else:
+        group = f"{exp}/{kind}-{loss}-{data}"
+    temps = [float(t) for t in flat.get("decode.temperatures") or [0.0]]
+    tags = sorted(("greedy" if t == 0.0 else f"T{t:g}" for t in temps), key=lambda t: t != "greedy")
+    keys = ["final/tau", "final/speedup", "final/train_wall_s", "final/train_s", "final/steps"]
+    keys += ["final/loss", "final/sim_tau"]
+    for tag in tags:  # as train/evaluate.py names them
+        keys += [f"final/{tag}/{m}" for m in ("tau", "speedup", "proxy_tau")]
+        keys += [f"final/{tag}/alpha_{i}" for i in range(1, int(flat.get("decode.k") or 4) + 1)]
+    return {
+        "name": f"{group}/seed{seed}",
+        "group": group,
+        "tags": [f"draft:{kind}", f"loss:{loss}", f"data:{data}", f"exp:{exp}"],
+        "summary_keys": keys,
+    }
+
+
+def wandb_summary(summary: dict) -> dict[str, float | None]:
+    """Flat final numbers for the W&B run summary (W&B keeps only the last value of each
+    logged key and drops lists such as alpha; these land in its table and parallel
+    coordinates): final tau/speedup, per temperature tau, speedup, proxy tau and α_i."""
+    ev = summary.get("final_eval") or {}
+    tr = summary.get("final_train") or {}
+    out: dict[str, float | None] = {
+        "final/tau": ev.get("tau"),
+        "final/speedup": ev.get("speedup"),
+        "final/train_wall_s": summary.get("wall_s"),
+        "final/train_s": summary.get("train_s"),
+        "final/steps": summary.get("steps"),
+        "final/loss": tr.get("loss"),
+        "final/sim_tau": tr.get("sim_tau"),
+    }
+    for tag in eval_tags(ev):
+        for m in ("tau", "speedup", "proxy_tau"):
+            out[f"final/{tag}/{m}"] = ev.get(f"{tag}/{m}")
+        for i, a in enumerate(ev.get(f"{tag}/alpha") or [], 1):
+            out[f"final/{tag}/alpha_{i}"] = a
+    return out
