@@ -8,6 +8,8 @@ See docs/training.md.
 import hydra
 from omegaconf import DictConfig
 
+import train.resolvers  # noqa: F401  (${safe_dirname:}, which run_dir uses; the train/ package)
+
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:

@@ -1,16 +1,25 @@
-"""Acceptance and speed metrics of a drafter on a target (definitions: shared/design.md §3).
+"""Acceptance and speed metrics of a drafter on a target (definitions: docs/design.md §3).
 
 `evaluate` decodes every prompt twice in the same call, plain AR and speculative (both
 through decoding/spec.py, batch 1, same dtype/device/max_new_tokens), after a warm-up,
 and returns a JSON-able dict:
-    tau                  tokens per verify forward, bonus included (rounds with drafts)
+    tau                  tokens per target verify forward, bonus included, over EVERY verify
+                         forward (also rounds without drafts: an n-gram miss, the last token
+                         of the budget); what the speedup follows
+    tau_drafted          the same over rounds that had drafts only
     alpha                α_i = P(accept draft i | drafts 1..i-1 accepted), i = 1..k
     accept_cumulative    P(drafts 1..i all accepted)
     accept_hist          rounds with 0..k accepted drafts
+                         (α, accept_cumulative, accept_hist: rounds with drafts only)
+    verify_rounds, drafted_rounds   verify forwards; those with drafts
     tokens_per_s, ar_tokens_per_s, speedup (= tokens/s ratio; equals the AR/spec wall-time
                          ratio when both emit the same tokens, e.g. greedy), wall_time_ratio
-    predicted_speedup    τ·T_target(1) / (T_verify(k) + T_draft(k)), measured step costs
-    draft_time_share     share of the speculative wall time spent in the drafter
+    predicted_speedup    τ·T_target(1) / (T_verify(k) + T_draft(k)) from measured per-round
+                         costs: T_target(1) an AR step, T_verify a verify forward, T_draft the
+                         drafter's propose + commit per round (t_*_ms); both prefills, the
+                         target's and the drafter's, are left out of every per-round cost
+    draft_time_share     share of the round time (wall time minus both prefills) spent in
+                         the drafter's propose/commit
     overhead_share       share of round time outside target and drafter calls
     greedy_match_rate    greedy only: mean fraction of AR tokens reproduced before the first
                          difference (1.0 = lossless; in bf16, k-row kernels round differently)
@@ -40,7 +49,10 @@ def _as_row(prompt: Tensor) -> Tensor:
 
 
 def acceptance_stats(results: list[GenerationResult], k: int) -> dict:
-    """τ, α_i, cumulative acceptance and histogram over all rounds that had drafts."""
+    """τ over every verify forward (`GenerationResult.tau`) and `tau_drafted` over rounds
+    with drafts; α_i, cumulative acceptance and the histogram over rounds with drafts."""
+    every = [t for r in results for t in r.round_tokens]
+    drafted = [t for r in results for t, d in zip(r.round_tokens, r.draft_lens) if d > 0]
     rounds = [(n, d) for r in results for n, d in zip(r.accept_counts, r.draft_lens) if d > 0]
     hist = [0] * (k + 1)
     for n, _ in rounds:
@@ -51,13 +63,14 @@ def acceptance_stats(results: list[GenerationResult], k: int) -> dict:
         reached = [n for n in offered if n >= i - 1]  # ... and drafts 1..i-1 were accepted
         alpha.append(sum(n >= i for n in reached) / len(reached) if reached else None)
         cumulative.append(sum(n >= i for n in offered) / len(offered) if offered else None)
-    tau = 1.0 + sum(n for n, _ in rounds) / len(rounds) if rounds else 1.0
     return {
-        "tau": tau,
+        "tau": sum(every) / len(every) if every else 1.0,
+        "tau_drafted": sum(drafted) / len(drafted) if drafted else 1.0,
         "alpha": alpha,
         "accept_cumulative": cumulative,
         "accept_hist": hist,
-        "verify_rounds": len(rounds),
+        "verify_rounds": len(every),
+        "drafted_rounds": len(rounds),
     }
 
 
@@ -108,13 +121,14 @@ def evaluate(
     ar_tokens = sum(r.num_tokens for r in ar_runs)
     spec_tokens = sum(r.num_tokens for r in spec_runs)
     ar_tps, spec_tps = ar_tokens / ar_time, spec_tokens / spec_time
-    # Step costs: one AR target step, one verify forward, the drafter per round.
+    # Per-round costs (both prefills excluded): one AR target step, one verify forward, the
+    # drafter's propose + commit.
     ar_rounds = sum(r.rounds for r in ar_runs)
     spec_rounds = sum(r.rounds for r in spec_runs)
     t_target_1 = sum(r.verify_s for r in ar_runs) / max(ar_rounds, 1)
     t_verify = sum(r.verify_s for r in spec_runs) / max(spec_rounds, 1)
     t_draft = sum(r.draft_s for r in spec_runs) / max(spec_rounds, 1)
-    round_time = sum(r.total_s - r.prefill_s for r in spec_runs)
+    round_time = sum(r.rounds_s for r in spec_runs)
     out = {
         **stats,
         "k": k if tree is None else tree.max_depth,
@@ -136,10 +150,10 @@ def evaluate(
         "t_target_step_ms": 1e3 * t_target_1,
         "t_verify_ms": 1e3 * t_verify,
         "t_draft_round_ms": 1e3 * t_draft,
-        "draft_time_share": sum(r.draft_s for r in spec_runs) / spec_time,
+        "draft_time_share": sum(r.draft_s for r in spec_runs) / max(round_time, 1e-9),
         "overhead_share": sum(r.overhead_s for r in spec_runs) / max(round_time, 1e-9),
         "ar_overhead_share": sum(r.overhead_s for r in ar_runs)
-        / max(sum(r.total_s - r.prefill_s for r in ar_runs), 1e-9),
+        / max(sum(r.rounds_s for r in ar_runs), 1e-9),
         "greedy_match_rate": None,
         "greedy_exact_match": None,
         "device": str(device),

@@ -33,7 +33,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from decoding.drafter import Drafter, Sampling
-from decoding.verify import check_sampling, sample, verify
+from decoding.verify import check_sampling, emitted_drafts, sample, verify
 from train.target import Target, TargetOutput
 
 if TYPE_CHECKING:
@@ -46,31 +46,48 @@ StreamFn = Callable[[list[list[int]]], None]  # per-row tokens emitted this roun
 @dataclass
 class GenerationResult:
     sequences: list[list[int]]  # per row: the NEW tokens, EOS included if hit
-    accept_counts: list[int] = field(default_factory=list)  # accepted drafts per verify round
-    draft_lens: list[int] = field(
-        default_factory=list
-    )  # drafts per round (0 = AR step; tree: depth)
+    # Per verify round: accepted drafts that were emitted (`count_emitted`), and drafts
+    # offered (0 = no drafts: AR step, n-gram miss, last token of the budget; tree: depth).
+    accept_counts: list[int] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)
+    # Per verify round: tokens emitted, correction/bonus included (= accepted + 1, except in
+    # a round cut by an accepted EOS draft, which emits no token after it). Batches: the
+    # most any row emitted.
+    round_tokens: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)  # tree rounds: drafted nodes per round
     rounds: int = 0  # target forwards after the prefill
-    prefill_s: float = 0.0
-    draft_s: float = 0.0  # inside drafter.prefill/propose/commit
+    prefill_s: float = 0.0  # the target's prefill and first sample
+    draft_prefill_s: float = 0.0  # inside drafter.prefill
+    draft_s: float = 0.0  # inside drafter.propose/commit (per-round drafter cost)
     verify_s: float = 0.0  # inside the target's verify forwards
-    total_s: float = 0.0  # whole call, prefill included
+    total_s: float = 0.0  # whole call, both prefills included
 
     @property
     def tau(self) -> float:
-        """Tokens emitted per verify forward, bonus included, over rounds that had drafts."""
-        counted = [n for n, d in zip(self.accept_counts, self.draft_lens) if d > 0]
-        return 1.0 + sum(counted) / len(counted) if counted else 1.0
+        """Tokens emitted per target verify forward, bonus included, over EVERY verify forward
+        (rounds without drafts count, with 0 accepted): design.md §3."""
+        n = self.round_tokens
+        return sum(n) / len(n) if n else 1.0
+
+    @property
+    def tau_drafted(self) -> float:
+        """τ over the rounds that had drafts only (>= tau)."""
+        counted = [n for n, d in zip(self.round_tokens, self.draft_lens) if d > 0]
+        return sum(counted) / len(counted) if counted else 1.0
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s) for s in self.sequences)
 
     @property
+    def rounds_s(self) -> float:
+        """Wall time of the decoding rounds: the whole call minus both prefills."""
+        return self.total_s - self.prefill_s - self.draft_prefill_s
+
+    @property
     def overhead_s(self) -> float:
         """Time in the rounds outside target and drafter calls (verify maths, bookkeeping)."""
-        return self.total_s - self.prefill_s - self.draft_s - self.verify_s
+        return self.rounds_s - self.draft_s - self.verify_s
 
 
 def _sync(device: torch.device) -> None:
@@ -143,6 +160,7 @@ class PrefillState:
     first: list[int]  # `last` as a list (already appended to the sequences)
     finished: list[bool]  # per row: EOS emitted
     eos: set[int]
+    eos_ids: Tensor  # [E] the same ids on the device
     t_start: float
 
 
@@ -181,7 +199,7 @@ def prefill(
         hidden_layers=tuple(dict.fromkeys(hidden_layers + (-1,))),
         logits=False,
     )
-    out.logits = target.lm_head(out.hidden[-1][:, -1:])  # [B, 1, V]
+    out.logits = target.head_logits(out.hidden[-1][:, -1:])  # [B, 1, V]
     if -1 not in hidden_layers:
         del out.hidden[-1]
     last = sample(out.logits[:, -1], sampling, generator)  # [B], not yet in the cache
@@ -194,15 +212,26 @@ def prefill(
         else:
             drafter.prefill(input_ids, out)
         _sync(device)
-        result.draft_s += time.perf_counter() - t0
+        result.draft_prefill_s = time.perf_counter() - t0
     eos = set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
     first = last.tolist()
     for b in range(B):
         result.sequences[b].append(first[b])
     finished = [t in eos for t in first]
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     return PrefillState(
-        result, out.cache, attn, last, positions[:, -1] + 1, first, finished, eos, t_start
+        result, out.cache, attn, last, positions[:, -1] + 1, first, finished, eos, eos_ids, t_start
     )
+
+
+def count_emitted(accepted: Tensor, finished: list[bool], eos_ids: Tensor) -> int:
+    """What `accept_counts` records for a round that kept the common accepted drafts
+    `accepted` [B, n] (call before `emit`): the accepted drafts that were emitted. A row
+    stops at its first EOS, so drafts after it do not count. For B=1 this is exact; for a
+    batch it is the common prefix n cut after the last draft that any row unfinished at
+    the round's start emitted (the max over those rows)."""
+    active = torch.tensor([not f for f in finished], device=accepted.device)  # [B]
+    return int(emitted_drafts(accepted, eos_ids)[active].max())
 
 
 def emit(
@@ -275,7 +304,7 @@ def generate(
         state.last,
         state.next_pos,
     )
-    finished, eos_set = state.finished, state.eos
+    finished, eos_set, eos_ids = state.finished, state.eos, state.eos_ids
     if stream is not None:
         stream([[t] for t in state.first])
     generated = 1
@@ -336,7 +365,7 @@ def generate(
         last = next_tok
         result.rounds += 1
         result.draft_lens.append(k_round)
-        result.accept_counts.append(n_common)
+        result.accept_counts.append(count_emitted(emitted[:, :n_common], finished, eos_ids))
         if proposed:  # also after an empty proposal, so the drafter sees every kept token
             t0 = time.perf_counter()
             drafter.commit(n_common, emitted, _slice_out(out, n_common + 1))
@@ -345,6 +374,7 @@ def generate(
         del out
         # ---- emit, stop at EOS / budget ----------------------------------------------------
         new = emit(result, emitted, finished, eos_set)
+        result.round_tokens.append(max(len(row) for row in new))
         generated += n_common + 1
         if stream is not None:
             stream(new)

@@ -45,6 +45,7 @@ from decoding.spec import (
     StreamFn,
     _sync,
     check_inputs,
+    count_emitted,
     emit,
     prefill,
 )
@@ -295,7 +296,9 @@ def generate_tree(
         res = tree_verify(tokens, parents, q, out.logits, sampling, generator)
         n_rows = res.num_accepted.tolist()
         n_common = min(n_rows[b] for b in range(B) if not finished[b])
-        path = res.path[:, :n_common]  # [B, n] node ids
+        # A finished row's accepted path may be shorter than n: its -1 entries point at node
+        # 0 instead (any node will do: the row emits nothing and its outputs are not read).
+        path = res.path[:, :n_common].clamp_min(0)  # [B, n] node ids
         if n_common < res.path.shape[1]:  # a row that went deeper emits its next node instead
             deeper = tokens.gather(1, res.path[:, n_common : n_common + 1].clamp_min(0))[:, 0]
             next_tok = torch.where(res.num_accepted > n_common, deeper, res.next_token)
@@ -312,7 +315,7 @@ def generate_tree(
         result.rounds += 1
         result.draft_lens.append(int(node_depths(parents).max()) if N else 0)
         result.tree_sizes.append(N)
-        result.accept_counts.append(n_common)
+        result.accept_counts.append(count_emitted(emitted[:, :n_common], finished, state.eos_ids))
         if max_depth > 0:
             t0 = time.perf_counter()
             drafter.commit(n_common, emitted, _gather_out(out, keep))
@@ -321,6 +324,7 @@ def generate_tree(
         del out
         # ---- emit, stop at EOS / budget ------------------------------------------------------
         new = emit(result, emitted, finished, state.eos)
+        result.round_tokens.append(max(len(row) for row in new))
         generated += n_common + 1
         if stream is not None:
             stream(new)

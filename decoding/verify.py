@@ -145,6 +145,15 @@ def verify(
     return result
 
 
+def emitted_drafts(accepted: Tensor, eos_ids: Tensor) -> Tensor:
+    """accepted [B, n] accepted draft tokens, eos_ids [E] -> [B] how many of them each row
+    emits: all n, or up to and including its first EOS (the row stops there, so accepted
+    drafts after an EOS are never emitted)."""
+    is_eos = torch.isin(accepted, eos_ids).long()  # [B, n]
+    after_eos = is_eos.cumsum(-1) - is_eos  # [B, n] > 0 strictly after the first EOS
+    return (after_eos == 0).sum(-1)
+
+
 def sample(logits: Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> Tensor:
     """One token per row from logits [B, V] (argmax when greedy) -> [B]."""
     if sampling.greedy:

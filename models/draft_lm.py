@@ -147,7 +147,7 @@ def from_target(
                 model.get_input_embeddings().weight.copy_(target.embed_tokens.weight)
                 if not config.tie_word_embeddings:
                     model.get_output_embeddings().weight.copy_(target.lm_head.weight)
-                model.model.norm.weight.copy_(target.final_norm.weight)
+                model.model.norm.weight.copy_(target.final_norm_weight)
             if not train_embeddings:
                 model.get_input_embeddings().requires_grad_(False)
                 model.get_output_embeddings().requires_grad_(False)

@@ -416,7 +416,7 @@ def from_target(
         if init == "identity":
             _identity_init(draft)
         if style == "eagle3":
-            draft.norm.weight.copy_(target.final_norm.weight)
+            draft.norm.weight.copy_(target.final_norm_weight)
         if draft.lm_head is not None:
             draft.lm_head.weight.copy_(_target_rows(draft, target))
     return draft.to(device=target.device)

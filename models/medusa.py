@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from decoding.drafter import Sampling
 from decoding.verify import sampling_probs
-from models.protocol import DraftOutput
+from models.protocol import DraftOutput, cast_keep_rotary
 from train.losses import forward_kl
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ class MedusaHeads(nn.Module):
             hidden = self.adapted(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             ).last_hidden_state  # [B, T, H], grads flow into the LoRA matrices
-            own_logits = target.lm_head(hidden.to(target.dtype))  # [B, T, V]
+            own_logits = target.head_logits(hidden.to(target.dtype))  # [B, T, V]
             mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             vocab = own_logits.shape[-1]
             lm_kl = forward_kl(
@@ -184,7 +184,8 @@ class MedusaHeads(nn.Module):
             if "lora_" not in k
         }
         model.model.load_state_dict(state, strict=True)
-        return Target(model.to(target.dtype), target.tokenizer, name=f"{target.name}+medusa2-lora")
+        model = cast_keep_rotary(model, target.dtype)  # float32 rotary, as in `target`
+        return Target(model, target.tokenizer, name=f"{target.name}+medusa2-lora")
 
 
 def _is_frozen_backbone_key(key: str) -> bool:

@@ -109,7 +109,10 @@ class MTP(nn.Module):
             attn_implementation="sdpa",
         )
         self.depths = nn.ModuleList(MTPModule(self.block_config) for _ in range(num_depths))
-        self.rotary = LlamaRotaryEmbedding(self.block_config)  # inv_freq is a non-persistent buffer
+        # inv_freq is a non-persistent buffer that follows .to(device); decoding copies are
+        # cast with models.protocol.cast_keep_rotary, which keeps it float32 (a bare
+        # .to(bfloat16) would round it and shift every rotary angle).
+        self.rotary = LlamaRotaryEmbedding(self.block_config)
 
     def head(self, target: Target, module: MTPModule, hidden: Tensor) -> Tensor:
         # The frozen head may be in another dtype (a bf16 target under an fp32 draft).
@@ -193,7 +196,7 @@ def from_target(
     )
     with torch.no_grad():  # start each module's own output norm from the target's final norm
         for module in model.depths:
-            module.final_norm.weight.copy_(target.final_norm.weight)
+            module.final_norm.weight.copy_(target.final_norm_weight)
     return model.to(device=target.device)
 
 

@@ -7,6 +7,9 @@ Alignment convention (the one place off-by-ones are decided):
     MTP depth d are shifted by the model so that the same rule holds.
 The training loop drops positions where `t + offset >= T` and applies the loss mask at
 `t + offset` (1 where x_{t+offset+1} is an assistant token).
+
+Casting a draft or a target for decoding goes through `cast_keep_rotary`, never a bare
+`.to(dtype)`: the rotary frequencies must stay float32 (see there).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from decoding.drafter import Drafter
@@ -27,7 +31,8 @@ class DraftOutput:
     offsets: list[int]  # logits[i][:, t] pairs with the target at position t + offsets[i]
     aux_loss: Tensor | None = None  # e.g. EAGLE-1 feature regression, already weighted
     # Reduced draft vocabulary: draft id i is target id vocab_ids[i]. None = full vocabulary.
-    # The loss renormalises the target distribution over these ids.
+    # The loss renormalises the target distribution over these ids; the logged acceptance
+    # proxy and top-1 use the full-vocabulary target, as the decoder does.
     vocab_ids: Tensor | None = None  # [V_draft] long
     extras: dict[str, Tensor] = field(default_factory=dict)  # anything worth logging
 
@@ -57,3 +62,20 @@ class DraftModel(Protocol):
         """An inference adapter for the shared decoder, sharing this module's weights and
         taking frozen pieces from `target` (which may be a bf16 copy used for decoding)."""
         ...
+
+
+def cast_keep_rotary(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module.to(dtype)` in place, except that rotary frequency buffers stay float32.
+
+    nn.Module.to casts floating buffers too, and a bf16 inv_freq moves every rotary angle
+    (SmolLM2: 0.6978 -> 0.6992): the cast model is then neither the one trained on nor the
+    one `from_pretrained(dtype=torch.bfloat16)` builds (HF computes inv_freq in float32).
+    A buffer already rounded by an earlier bare `.to(dtype)` stays rounded. Returns `module`.
+    """
+    # HF rotary embeddings: inv_freq, original_inv_freq; Gemma 3: full_attention_inv_freq, ...
+    rotary = {name: buf for name, buf in module.named_buffers() if name.endswith("inv_freq")}
+    module.to(dtype)
+    for name, buf in rotary.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner), leaf, buf.float())
+    return module

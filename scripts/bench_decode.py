@@ -1,44 +1,56 @@
 """Benchmark our decoder against transformers on the same target, prompts and settings.
 
-In one process, batch 1, after a warm-up per method:
+Rows (batch 1, one process):
   hf_generate       transformers `generate`, plain
   ours_ar           our loop with no draft (decoding/spec.py)
   ours_spec_lm      our loop with a draft LM
   ours_spec_ngram   our loop with n-gram prompt lookup
   hf_assisted       transformers assisted generation with the same draft LM (assistant_model=)
   hf_prompt_lookup  transformers prompt lookup (prompt_lookup_num_tokens=)
-Writes JSON and a markdown table (tokens/s, τ, speedup vs hf_generate and vs ours_ar,
-greedy match rate vs hf_generate).
-
-No second SmolLM-family model exists offline, so the draft LM is a truncated copy of the
-target: its first --draft-layers decoder layers + the final norm + the tied head (same
-tokenizer by construction). It is a weak draft; it is the same one for ours and HF's.
-τ for transformers = new tokens / target forwards (its first forward also verifies).
-
 Trained heads (checkpoint directories, train/checkpoint.py; `fresh` = untrained heads, for
 smoke runs only) add chain vs tree rows (decoding/tree.py):
   ours_medusa_chain / ours_medusa_static     Medusa heads, k-chain / static tree (--paths)
   ours_eagle_chain / ours_eagle_dynamic      EAGLE heads, k-chain / EAGLE-2 dynamic tree
 `--methods` keeps only the named rows (hf_generate and ours_ar are always measured).
 
+Timing: one warm-up per method; then the methods run INTERLEAVED per prompt (prompt 1: every
+method in turn, then prompt 2, ...), --repeats passes with the method order rotated by one per
+pass, so drift on a shared machine is spread over all methods. tokens/s and speedup vs our AR
+(and vs HF generate) of the SAME pass are reported as median and min-max over the passes.
+
+τ, one definition for every row: tokens emitted per target verify forward, bonus included,
+every forward after the prefill counted (the prefill forward and its `prefill_tokens` are left
+out; transformers' assisted / prompt-lookup prefill also verifies drafts). Ours: from
+GenerationResult.accept_counts / draft_lens; transformers': from a hook on the target
+(`hf_rounds`). `tau_drafted`: the same over forwards that had drafts only; not comparable.
+
+No second SmolLM-family model exists offline, so the draft LM is a truncated copy of the
+target: its first --draft-layers decoder layers + its last --draft-last-layers + the final
+norm + the tied head (same tokenizer by construction). The same draft serves ours and HF's.
+
     .venv/bin/python scripts/bench_decode.py --out runs/bench/decode.json
     .venv/bin/python scripts/bench_decode.py --methods none --medusa runs/medusa_kl/seed0/checkpoints/step_00000200 \
         --eagle runs/eagle_tv/seed0/checkpoints/step_00000200 --out runs/bench/tree.json
+    # smoke run (seconds), tiny random target:
+    .venv/bin/python scripts/bench_decode.py --target tiny --draft-layers 1 --draft-last-layers 0 \
+        --num-prompts 2 --max-new-tokens 16 --repeats 2 --temperatures 0 --out /tmp/bench_tiny.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from decoding.drafter import Sampling  # noqa: E402
+from decoding.drafter import Drafter, Sampling  # noqa: E402
 from decoding.drafters import DraftLMDrafter, NgramDrafter  # noqa: E402
 from decoding.metrics import greedy_match  # noqa: E402
 from decoding.spec import generate  # noqa: E402
@@ -54,13 +66,20 @@ PROMPTS = [  # code / prose / qa, with some text to copy so prompt lookup has a 
     "Summarise the plot of Romeo and Juliet in a short paragraph.",
     'def is_prime(n):\n    """Return True if n is prime."""\nComplete this function and explain it.',
 ]
+Method = Callable[[torch.Tensor, int], dict]  # (prompt ids [1, T], prompt index) -> call record
 
 
 def truncated_draft(target: Target, first: int, last: int = 0) -> LlamaForCausalLM:
     """A standalone LM from the target's first `first` and last `last` decoder layers + the
     final norm + the tied head (LayerSkip-style: the last layers map into output space)."""
     n = target.num_layers
-    keep = list(range(first)) + list(range(max(first, n - last), n))  # target layer ids
+    if not (1 <= first <= n and 0 <= last <= n - first):
+        raise ValueError(
+            f"the target has {n} decoder layers: need 1 <= --draft-layers ({first}) and "
+            f"--draft-layers + --draft-last-layers ({first + last}) <= {n} "
+            "(tiny target: --draft-layers 1 --draft-last-layers 0)"
+        )
+    keep = list(range(first)) + list(range(n - last, n))  # target layer ids
     cfg = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": len(keep)})
     draft = LlamaForCausalLM(cfg).to(device=target.device, dtype=target.dtype)
     state = {}
@@ -96,10 +115,95 @@ def load_heads(kind: str, path: str, target: Target) -> torch.nn.Module:
     return model.to(device=target.device, dtype=target.dtype).eval()
 
 
-def count_calls(module: torch.nn.Module) -> list[int]:
-    counter = [0]
-    module.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
-    return counter
+def tau_figures(accept_counts: list[int], draft_lens: list[int]) -> dict:
+    """τ over every verify forward, and over the forwards that had drafts only."""
+    drafted = [n for n, d in zip(accept_counts, draft_lens) if d > 0]
+    return {
+        "tau": 1 + sum(accept_counts) / len(accept_counts) if accept_counts else None,
+        "tau_drafted": 1 + sum(drafted) / len(drafted) if drafted else None,
+        "verify_forwards": len(accept_counts),
+        "drafted_forwards": len(drafted),
+    }
+
+
+def record_forwards(model: torch.nn.Module) -> tuple[list, torch.utils.hooks.RemovableHandle]:
+    """A hook appending (input length, first position id) for every call of `model`."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        if kwargs.get("position_ids") is None:
+            raise RuntimeError("transformers called the target without position_ids: cannot "
+                               "tell how many tokens each forward emitted")  # fmt: skip
+        # A copy, not .item(): no device sync inside transformers' timed loop.
+        calls.append((ids.shape[1], kwargs["position_ids"][0, 0].clone()))
+
+    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def hf_rounds(
+    forwards: list[tuple[int, int]], prompt_len: int, new_tokens: int
+) -> tuple[list[int], list[int], int]:
+    """transformers' target forwards -> (accepted drafts, drafts) per forward after the prefill
+    and the tokens the prefill forward emitted. Before each later forward the cache holds the
+    prompt and every emitted token but the newest, and the forward reads [newest, drafts], so
+    it starts at position prompt_len + emitted - 1."""
+    if not forwards or int(forwards[0][1]) != 0 or forwards[0][0] < prompt_len:
+        raise RuntimeError(
+            f"expected transformers' first target forward to be the prefill of the "
+            f"{prompt_len}-token prompt at position 0, got (length, position) {forwards[:1]}"
+        )
+    starts = [int(s) for _, s in forwards[1:]] + [prompt_len + new_tokens - 1]
+    emitted = [b - a for a, b in zip(starts, starts[1:])]  # per forward after the prefill
+    if any(e < 1 for e in emitted):
+        raise RuntimeError(f"transformers' forwards start at {starts}: not one round each")
+    return [e - 1 for e in emitted], [n - 1 for n, _ in forwards[1:]], starts[0] - prompt_len + 1
+
+
+def hf_method(target: Target, hf_kw: dict, seed: int, forwards: list, **extra) -> Method:
+    """transformers `generate` with extra generation-config fields (gen=) / call kwargs (call=);
+    `forwards` is record_forwards' list on target.model."""
+
+    def fn(ids, i):
+        torch.manual_seed(seed + i)
+        forwards.clear()
+        cfg = GenerationConfig(**hf_kw, **extra.get("gen", {}))
+        out = target.model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **extra.get("call", {})
+        )
+        seq = out[0, ids.shape[1] :].tolist()
+        accepts, drafts, prefill_tokens = hf_rounds(forwards, ids.shape[1], len(seq))
+        return dict(sequence=seq, accept_counts=accepts, draft_lens=drafts,
+                    prefill_tokens=prefill_tokens)  # fmt: skip
+
+    return fn
+
+
+def ours_method(
+    target: Target,
+    drafter: Drafter | None,
+    k: int,
+    sampling: Sampling,
+    max_new: int,
+    seed: int,
+    tree: TreeSpec | None = None,
+) -> Method:
+    def fn(ids, i):
+        g = torch.Generator(device=target.device).manual_seed(seed + i)
+        r = generate(target, ids, drafter, k=k, sampling=sampling, max_new_tokens=max_new,
+                     generator=g, tree=tree)  # fmt: skip
+        seq = r.sequences[0]
+        # Tokens emitted per round - 1: the round that ends on an accepted EOS draft emits no
+        # bonus after it, so this is what was emitted, as for transformers' rows.
+        accepts = [t - 1 for t in r.round_tokens]
+        return dict(
+            sequence=seq, accept_counts=accepts, draft_lens=r.draft_lens, prefill_tokens=1,
+            loop_s=r.verify_s + r.draft_s + r.overhead_s,  # the rounds: prefills left out
+            total_s=r.total_s, draft_s=r.draft_s, overhead_s=r.overhead_s,
+            tree_nodes=sum(n for n, d in zip(r.tree_sizes, r.draft_lens) if d > 0),
+        )  # fmt: skip
+
+    return fn
 
 
 def sync(device: torch.device) -> None:
@@ -107,44 +211,89 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_method(name, fn, prompts, device, warmup_prompt):
-    fn(warmup_prompt, 0)
-    rows, total_s, tokens, extra = [], 0.0, 0, []
-    for i, ids in enumerate(prompts):
-        sync(device)
-        t0 = time.perf_counter()
-        seq, info = fn(ids, i)
-        sync(device)
-        total_s += time.perf_counter() - t0
-        tokens += len(seq)
-        rows.append(seq)
-        extra.append(info)
-    return {
-        "method": name,
-        "sequences": rows,
-        "seconds": total_s,
-        "new_tokens": tokens,
-        "tokens_per_s": tokens / total_s,
-        "info": extra,
+def run_interleaved(
+    methods: dict[str, Method], prompts: list[torch.Tensor], warm: torch.Tensor, repeats: int
+) -> dict[str, list[list[dict]]]:
+    """method -> repeat -> prompt -> call record (+ "seconds"). Every method is warmed up
+    first; then per repeat each prompt runs every method in turn, the order rotated by one
+    each repeat."""
+    device = warm.device
+    for fn in methods.values():
+        fn(warm, 0)
+    names = list(methods)
+    runs = {name: [[] for _ in range(repeats)] for name in names}
+    for rep in range(repeats):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for i, ids in enumerate(prompts):
+            for name in order:
+                sync(device)
+                t0 = time.perf_counter()
+                record = methods[name](ids, i)
+                sync(device)
+                record["seconds"] = time.perf_counter() - t0
+                runs[name][rep].append(record)
+    return runs
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "per_repeat": values}  # fmt: skip
+
+
+def summarize(runs: dict[str, list[list[dict]]], greedy: bool) -> list[dict]:
+    """One row per method: tokens/s and speedups per repeat (median, min-max), τ figures and
+    counts pooled over every call, greedy match vs hf_generate (first repeat)."""
+    tps = {
+        name: [
+            sum(len(c["sequence"]) for c in rep) / sum(c["seconds"] for c in rep) for rep in reps
+        ]
+        for name, reps in runs.items()
     }
+    rows = []
+    for name, reps in runs.items():
+        calls = [c for rep in reps for c in rep]
+        row = {"method": name, "tokens_per_s": spread(tps[name])}
+        for ref in ("ours_ar", "hf_generate"):
+            if ref in tps:
+                row[f"speedup_vs_{ref}"] = spread([a / b for a, b in zip(tps[name], tps[ref])])
+        row |= tau_figures(
+            [n for c in calls for n in c["accept_counts"]],
+            [d for c in calls for d in c["draft_lens"]],
+        )
+        row["new_tokens"] = sum(len(c["sequence"]) for c in calls)
+        row["prefill_tokens"] = sum(c["prefill_tokens"] for c in calls)
+        row["greedy_match_rate"] = None
+        if greedy and "hf_generate" in runs:
+            pairs = zip(runs["hf_generate"][0], reps[0])
+            row["greedy_match_rate"] = statistics.mean(
+                greedy_match(a["sequence"], b["sequence"]) for a, b in pairs
+            )
+        if "loop_s" in calls[0]:  # our loop's own time split
+            loop_s = sum(c["loop_s"] for c in calls)
+            row["overhead_share"] = sum(c["overhead_s"] for c in calls) / loop_s
+            row["draft_share"] = sum(c["draft_s"] for c in calls) / sum(c["total_s"] for c in calls)
+            row["ms_per_round"] = 1e3 * loop_s / row["verify_forwards"]
+            nodes = sum(c["tree_nodes"] for c in calls)
+            row["tree_size"] = nodes / row["drafted_forwards"] if nodes else None
+        row["sequences"] = [c["sequence"][:16] for c in reps[0]]  # keep the JSON small
+        rows.append(row)
+    return rows
 
 
 def bench(
     target: Target,
     draft: LlamaForCausalLM,
-    prompts,
-    warm,
+    prompts: list[torch.Tensor],
+    warm: torch.Tensor,
     sampling: Sampling,
     k: int,
     max_new: int,
     seed: int,
+    repeats: int = 3,
     heads: dict[str, torch.nn.Module] | None = None,  # "medusa" / "eagle" -> draft model
     trees: dict[str, TreeSpec] | None = None,  # "static" / "dynamic" -> tree spec
     keep: list[str] | None = None,  # methods to run besides hf_generate and ours_ar
 ) -> list[dict]:
-    device = target.device
-    model = target.model
-    target_calls = count_calls(model)
     hf_kw = dict(
         max_new_tokens=max_new,
         do_sample=not sampling.greedy,
@@ -153,108 +302,44 @@ def bench(
     )
     if not sampling.greedy:
         hf_kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    forwards, hook = record_forwards(target.model)  # our loop calls target.model.model only
 
-    def hf(extra):
-        def fn(ids, i):
-            torch.manual_seed(seed + i)
-            target_calls[0] = 0
-            cfg = GenerationConfig(**hf_kw, **extra.get("gen", {}))
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                generation_config=cfg,
-                **extra.get("call", {}),
-            )
-            seq = out[0, ids.shape[1] :].tolist()
-            return seq, {"target_forwards": target_calls[0]}
-
-        return fn
+    def hf(**extra):
+        return hf_method(target, hf_kw, seed, forwards, **extra)
 
     def ours(drafter, tree=None):
-        def fn(ids, i):
-            g = torch.Generator(device=device).manual_seed(seed + i)
-            r = generate(
-                target,
-                ids,
-                drafter,
-                k=k,
-                sampling=sampling,
-                max_new_tokens=max_new,
-                generator=g,
-                tree=tree,
-            )
-            return r.sequences[0], {
-                "accepted": sum(r.accept_counts),
-                "verify_rounds": sum(d > 0 for d in r.draft_lens),
-                "rounds": r.rounds,
-                "total_s": r.total_s,
-                "prefill_s": r.prefill_s,
-                "draft_s": r.draft_s,
-                "verify_s": r.verify_s,
-                "overhead_s": r.overhead_s,
-                "tree_nodes": sum(n for n, d in zip(r.tree_sizes, r.draft_lens) if d > 0),
-            }
+        return ours_method(target, drafter, k, sampling, max_new, seed, tree)
 
-        return fn
-
-    assist_gen = {
-        "num_assistant_tokens": k,
-        "num_assistant_tokens_schedule": "constant",
-        "assistant_confidence_threshold": 0.0,
+    methods = {
+        "hf_generate": hf(),
+        "ours_ar": ours(None),
+        "ours_spec_lm": ours(DraftLMDrafter(draft, target)),
+        "ours_spec_ngram": ours(NgramDrafter(max_ngram=3, vocab_size=target.vocab_size)),
+        "hf_assisted": hf(call={"assistant_model": draft}),
+        "hf_prompt_lookup": hf(gen={"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3}),
     }
-    methods = [
-        ("hf_generate", hf({})),
-        ("ours_ar", ours(None)),
-        ("ours_spec_lm", ours(DraftLMDrafter(draft, target))),
-        ("ours_spec_ngram", ours(NgramDrafter(max_ngram=3, vocab_size=target.vocab_size))),
-        ("hf_assisted", hf({"call": {"assistant_model": draft}})),
-        (
-            "hf_prompt_lookup",
-            hf({"gen": {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3}}),
-        ),
-    ]
+    if keep is not None:  # the two references always run
+        methods = {m: fn for m, fn in methods.items() if m in {"hf_generate", "ours_ar", *keep}}
     heads, trees = heads or {}, trees or {}
     if "medusa" in heads:
-        methods.append(("ours_medusa_chain", ours(heads["medusa"].make_drafter(target))))
-        methods.append(
-            ("ours_medusa_static", ours(heads["medusa"].make_drafter(target), trees["static"]))
-        )
+        methods["ours_medusa_chain"] = ours(heads["medusa"].make_drafter(target))
+        methods["ours_medusa_static"] = ours(heads["medusa"].make_drafter(target), trees["static"])
     if "eagle" in heads:
-        methods.append(("ours_eagle_chain", ours(heads["eagle"].make_drafter(target))))
-        methods.append(
-            ("ours_eagle_dynamic", ours(heads["eagle"].make_drafter(target), trees["dynamic"]))
-        )
-    if keep is not None:  # the two references and the head rows always run
-        keep = {"hf_generate", "ours_ar", *keep, *(m for m, _ in methods[6:])}
-        methods = [m for m in methods if m[0] in keep]
-    draft.generation_config.update(**assist_gen)
-    results = [run_method(name, fn, prompts, device, warm) for name, fn in methods]
-    ref, ar = results[0], results[1]
-    for r in results:
-        r["speedup_vs_hf_generate"] = r["tokens_per_s"] / ref["tokens_per_s"]
-        r["speedup_vs_ours_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
-        r["greedy_match_rate"] = (
-            (
-                sum(greedy_match(a, b) for a, b in zip(ref["sequences"], r["sequences"]))
-                / len(prompts)
-            )
-            if sampling.greedy
-            else None
-        )
-        info = r.pop("info")
-        if r["method"].startswith("ours"):
-            rounds = sum(x["verify_rounds"] for x in info)
-            r["tau"] = 1 + sum(x["accepted"] for x in info) / rounds if rounds else 1.0
-            loop_s = sum(x["total_s"] - x["prefill_s"] for x in info)
-            r["overhead_share"] = sum(x["overhead_s"] for x in info) / loop_s
-            r["draft_share"] = sum(x["draft_s"] for x in info) / sum(x["total_s"] for x in info)
-            r["ms_per_round"] = 1e3 * loop_s / sum(x["rounds"] for x in info)
-            nodes = sum(x["tree_nodes"] for x in info)
-            r["tree_size"] = nodes / rounds if nodes else None
-        else:
-            r["tau"] = r["new_tokens"] / sum(x["target_forwards"] for x in info)
-        r["sequences"] = [s[:16] for s in r["sequences"]]  # keep the JSON small
-    return results
+        methods["ours_eagle_chain"] = ours(heads["eagle"].make_drafter(target))
+        methods["ours_eagle_dynamic"] = ours(heads["eagle"].make_drafter(target), trees["dynamic"])
+    draft.generation_config.update(
+        num_assistant_tokens=k,
+        num_assistant_tokens_schedule="constant",
+        assistant_confidence_threshold=0.0,
+    )
+    try:
+        return summarize(run_interleaved(methods, prompts, warm, repeats), sampling.greedy)
+    finally:
+        hook.remove()
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def markdown(all_results: dict) -> str:
@@ -262,18 +347,20 @@ def markdown(all_results: dict) -> str:
     for label, results in all_results.items():
         lines += [
             f"\n**{label}**\n",
-            "| method | tokens/s | τ | speedup vs HF generate | speedup vs our AR "
+            "| method | tokens/s median (min–max) | speedup vs our AR median (min–max) "
+            "| speedup vs HF generate | τ (every forward) | τ drafted forwards only (share) "
             "| greedy match | overhead share | tree size |",
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in results:
-            gm = "-" if r["greedy_match_rate"] is None else f"{r['greedy_match_rate']:.3f}"
-            oh = f"{r['overhead_share']:.3f}" if "overhead_share" in r else "-"
-            ts = f"{r['tree_size']:.1f}" if r.get("tree_size") else "-"
+            t, s = r["tokens_per_s"], r["speedup_vs_ours_ar"]
+            share = r["drafted_forwards"] / r["verify_forwards"] if r["verify_forwards"] else 0
             lines.append(
-                f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['tau']:.2f} | "
-                f"{r['speedup_vs_hf_generate']:.2f} | {r['speedup_vs_ours_ar']:.2f} | {gm} | {oh} "
-                f"| {ts} |"
+                f"| {r['method']} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) "
+                f"| {s['median']:.2f} ({s['min']:.2f}–{s['max']:.2f}) "
+                f"| {fmt(r.get('speedup_vs_hf_generate', {}).get('median'))} | {fmt(r['tau'])} "
+                f"| {fmt(r['tau_drafted'])} ({share:.0%}) | {fmt(r['greedy_match_rate'], 3)} "
+                f"| {fmt(r.get('overhead_share'), 3)} | {fmt(r.get('tree_size'), 1)} |"
             )
     return "\n".join(lines)
 
@@ -293,6 +380,7 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts")
     ap.add_argument("--out", default="runs/bench/decode.json")
     ap.add_argument("--medusa", help="Medusa checkpoint dir, or 'fresh' (untrained, smoke only)")
     ap.add_argument("--eagle", help="EAGLE checkpoint dir, or 'fresh' (untrained, smoke only)")
@@ -304,14 +392,12 @@ def main() -> None:
         "--methods", nargs="+", help="keep only these rows (+ hf_generate, ours_ar, heads); 'none'"
     )
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
 
-    dtype = resolve_dtype(args.dtype)
-    if args.target == "smollm2":
-        target = load_smollm2(dtype="float32", device="cpu").to(device=args.device, dtype=dtype)
-    else:
-        target = build_tiny_random(dtype="float32", device="cpu").to(
-            device=args.device, dtype=dtype
-        )
+    load = load_smollm2 if args.target == "smollm2" else build_tiny_random
+    target = load(dtype="float32", device="cpu")
+    target = target.to(device=args.device, dtype=resolve_dtype(args.dtype))
     draft = truncated_draft(target, args.draft_layers, args.draft_last_layers)
     tok = target.tokenizer
     heads = {}
@@ -339,11 +425,11 @@ def main() -> None:
         label = (
             f"{target.name} {args.dtype} {args.device}, T={temp}, top_p={sampling.top_p}, k={args.k}, "
             f"max_new_tokens={args.max_new_tokens}, {len(prompts)} prompts, draft = target layers "
-            f"first {args.draft_layers} + last {args.draft_last_layers}"
+            f"first {args.draft_layers} + last {args.draft_last_layers}, {args.repeats} repeats"
         )
         all_results[label] = bench(
             target, draft, prompts, warm, sampling, args.k, args.max_new_tokens, args.seed,
-            heads=heads, trees=trees, keep=args.methods,
+            repeats=args.repeats, heads=heads, trees=trees, keep=args.methods,
         )  # fmt: skip
         print(markdown({label: all_results[label]}), flush=True)
     out = Path(args.out)

@@ -10,6 +10,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
+import train.resolvers  # noqa: F401  (registers ${safe_dirname:}, as train.py does)
+from train.resolvers import MAX_DIRNAME
+from train.settings import check_settings
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -83,3 +87,64 @@ def test_experiment_sets_only_known_train_and_decode_keys(name):
     exp = OmegaConf.load(CONF / "experiment" / f"{name}.yaml")
     assert set(exp.get("train", {}).keys()) <= set(base.train.keys()), name
     assert set(exp.get("decode", {}).keys()) <= decode_keys, name
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_passes_the_startup_checks(name):
+    check_settings(_compose(f"+experiment={name}"))
+
+
+# The README's own example (a local path) and a hub id: values with '/'.
+README_EXAMPLE = (
+    "target=hf",
+    "target.path=/models/my-llama",
+    "data=local",
+    "data.source=chats.jsonl",
+)
+HUB_ID = ("target=hf", "target.path=HuggingFaceTB/SmolLM2-360M-Instruct")
+
+
+@pytest.mark.parametrize(
+    "overrides, flat",
+    [
+        (
+            README_EXAMPLE,
+            "data.source=chats.jsonl,data=local,target.path=_models_my-llama,target=hf",
+        ),
+        (HUB_ID, "target.path=HuggingFaceTB_SmolLM2-360M-Instruct,target=hf"),
+    ],
+)
+def test_run_dir_is_flat_when_override_values_hold_slashes(overrides, flat):
+    cfg = _compose(*overrides)
+    want = ("runs", "draft_lm_kl", flat, "seed0")
+    assert Path(cfg.run_dir).parts == want
+    assert Path(cfg.hydra.run.dir).parts == want
+    assert (Path(cfg.hydra.sweep.dir) / cfg.hydra.sweep.subdir).parts == want  # multirun jobs
+
+
+def test_train_py_resolves_the_same_flat_run_dir():
+    # train.py registers the resolver itself (every accelerate/torchrun rank runs it).
+    proc = subprocess.run(
+        [sys.executable, "train.py", *README_EXAMPLE, "seed=3", "--cfg", "job", "--resolve"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    flat = "data.source=chats.jsonl,data=local,target.path=_models_my-llama,target=hf"
+    assert f"run_dir: runs/draft_lm_kl/{flat}/seed3\n" in proc.stdout
+
+
+def test_long_run_dir_names_are_cut_with_a_hash():
+    long_a = [f"optim.betas=[0.9,0.9{'9' * 60}]", f"data.source=/data/{'x' * 80}a.jsonl"]
+    long_b = [f"optim.betas=[0.9,0.9{'9' * 60}]", f"data.source=/data/{'x' * 80}b.jsonl"]
+    names = []
+    for overrides in (long_a, long_b, long_a):
+        parts = Path(_compose(*overrides).run_dir).parts
+        assert len(parts) == 4 and parts[-1] == "seed0"
+        names.append(parts[2])
+    assert all(len(n) == MAX_DIRNAME for n in names)
+    assert names[0].startswith("data.source=_data_xxx")
+    assert names[0] != names[1], "overrides that differ only past the cut still differ"
+    assert names[0] == names[2], "the same overrides always give the same name (every rank)"

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from train.corpus import embedded_conversations, held_out, parse_speeches
-from train.data import collate, prepare_data, shift_mask, tokenize_conversation
+from train.data import (
+    CHAT_TEMPLATES,
+    collate,
+    prepare_data,
+    resolve_chat_template,
+    shift_mask,
+    tokenize_conversation,
+)
 from train.regenerate import regenerate
 
 CONV = [
@@ -95,6 +102,88 @@ def test_mask_covers_exactly_the_assistant_turns(which, tiny, smollm2_tokenizer)
         assert "You are a helpful AI assistant named SmolLM" in solo
         ids, flags = tokenize_conversation(tok, CONV[1:3])
         assert trained_text(tok, ids, shift_mask(flags)) == "Hello there!<|im_end|>"
+
+
+def base_tokenizer(adds_bos: bool):
+    """The tiny char tokenizer as a base model's: no chat template; optionally a BOS in front
+    of plain text, as Llama's and Gemma's tokenizers do."""
+    from tokenizers.processors import TemplateProcessing
+
+    from train.tiny_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(128, chat_template=False)
+    if adds_bos:
+        tok.backend_tokenizer.post_processor = TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)]
+        )
+    return tok
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_plain_template_trains_the_answers_of_a_base_model(adds_bos):
+    tok = base_tokenizer(adds_bos)
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="no chat template.*data.chat_template=plain"):
+        resolve_chat_template(tok, None)
+    plain = resolve_chat_template(tok, "plain")
+    ids, flags = tokenize_conversation(tok, CONV, chat_template=plain)
+    bos = "<s>" if adds_bos else ""
+    assert (
+        tok.decode(ids)
+        == bos + "Be brief.\nSay hello.\nHello there!<|im_end|>\nNow say bye.\nBye.<|im_end|>"
+    )
+    assert (ids[0] == tok.bos_token_id) == adds_bos
+    assert trained_text(tok, ids, shift_mask(flags)) == "Hello there!<|im_end|>Bye.<|im_end|>"
+    prompt, _ = tokenize_conversation(tok, CONV[:2], True, chat_template=plain)
+    assert tok.decode(prompt) == bos + "Be brief.\nSay hello.\n"  # then the answer
+
+
+def test_chat_template_presets_and_strings(tiny):
+    from train.tiny_tokenizer import CHATML_TEMPLATE
+
+    tok = tiny.tokenizer
+    assert resolve_chat_template(tok, None) == tok.chat_template
+    assert resolve_chat_template(tok, "chatml") == CHATML_TEMPLATE == CHAT_TEMPLATES["chatml"]
+    custom = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    assert resolve_chat_template(tok, custom) == custom
+    ids, flags = tokenize_conversation(tok, CONV[1:3], chat_template=custom)
+    assert tok.decode(ids) == "[user] Say hello.\n[assistant] Hello there!\n"
+    with pytest.raises(ValueError, match="'chatm' is neither a preset .*chatml, plain"):
+        resolve_chat_template(tok, "chatm")
+
+
+def test_one_template_for_regeneration_masks_and_eval_prompts(tmp_path):
+    """A base model (no template) with data.chat_template=plain: the prompts the target
+    answers, the trained rows and the eval prompts all use the plain template."""
+    from train.target import build_tiny_random
+
+    base = build_tiny_random(seed=0, chat_template=False, device="cpu")
+    src = write_rows(tmp_path / "c.jsonl", [openai(i, f"answer {i}") for i in range(5)])
+    kw = {"source": str(src), "num_eval": 2, "max_new_tokens": 6, "regen_dtype": "float32"}
+    kw |= {"cache_dir": str(tmp_path), "progress": False}
+    with pytest.raises(ValueError, match="has no chat template.*data.chat_template=plain"):
+        prepare_data(base, **kw)
+    data = prepare_data(base, chat_template="plain", **kw)
+    tok = base.tokenizer
+    for ids, mask in zip(data.train["input_ids"], data.train["loss_mask"], strict=True):
+        start = mask.index(1) + 1  # the first answer token, right after "question i?\n"
+        assert (
+            tok.decode(ids[:start]).startswith("question ")
+            and ids[start - 1] == tok.encode("\n")[0]
+        )
+        assert ids[start:] == greedy(base, ids[:start], 6)  # the target's own answer to it
+    plain = resolve_chat_template(tok, "plain")
+    for p in data.eval_prompts:
+        assert tok.decode(p["input_ids"]) == p["messages"][-1]["content"] + "\n"
+        assert p["input_ids"] == list(
+            tok.apply_chat_template(
+                p["messages"], chat_template=plain, add_generation_prompt=True, return_dict=False
+            )
+        )
+    # The same rows under another template: other prompts, another regeneration cache.
+    chatml = prepare_data(base, chat_template="chatml", **kw)
+    assert chatml.stats["regen"]["cache"] != data.stats["regen"]["cache"]
+    assert chatml.stats["regen"]["generated"] == 3
 
 
 def test_parse_speeches_keeps_speakers_and_drops_stage_directions():
@@ -231,6 +320,10 @@ def test_regeneration_cache_resumes_and_is_keyed_by_settings(tiny, tmp_path):
     assert regenerate(tiny, prompts, **kw)[1]["generated"] == 0
     other = regenerate(tiny, prompts[:1], **{**kw, "max_new_tokens": 3})[1]
     assert other["generated"] == 1 and other["cache"] != s1["cache"]
+    # The template the prompts were rendered with is part of the key (data.chat_template).
+    assert regenerate(tiny, prompts, **kw, chat_template=tok.chat_template)[1]["generated"] == 0
+    plain = regenerate(tiny, prompts[:1], **kw, chat_template=CHAT_TEMPLATES["plain"])[1]
+    assert plain["generated"] == 1 and plain["cache"] != s1["cache"]
     for r in again:
         assert len(r["ids"]) <= 5 and r["finished"] == (r["ids"][-1] in tiny.eos_token_ids)
 

@@ -9,6 +9,7 @@ from decoding.spec import generate
 from models.eagle import EagleDraft, build_vocab_map, from_target
 from models.protocol import DraftOutput
 from train.losses import forward_kl
+from train.target import TargetOutput
 
 torch.set_num_threads(1)
 
@@ -112,6 +113,65 @@ def test_training_time_test_teacher_forces_ground_truth(tiny_target):
                 assert (train_out.logits[1][:, t] - own).abs().max() > 1e-3
                 checked += 1
         assert checked >= 5
+
+
+@pytest.mark.parametrize(
+    "style,vocab_size", [("eagle3", 32), ("eagle3", "full"), ("eagle1", "full"), ("eagle1", 32)]
+)
+def test_every_ttt_step_equals_the_drafters_draft(tiny_target, style, vocab_size):
+    """Train/decode parity at EVERY unroll step. The drafter is driven as decoding/spec.py
+    drives it: prefill, then rounds of propose(k) and commit(n) with the target's features
+    over the kept positions [last, d_1..d_n], k up to ttt_steps and n from 0 to k (full
+    accept + bonus included), two rows. After the target verified position t (the context
+    is x_0..x_{t+1}), the training forward runs over the context followed by the drafter's
+    own drafts d_1..d_{k-1} as the teacher-forced continuation; its step s at anchor t has
+    then read exactly what the drafter read for draft s+1, so the two must agree to fp32
+    rounding. Sampling at temperature 1 makes q = softmax(draft logits) (scattered into the
+    target vocabulary), so log q is compared with the training logits' log-softmax."""
+    k_max = 4
+    torch.manual_seed(0)
+    # Random init, not the identity pass-through: that zeroes the layer's output projections,
+    # which would hide the attention (mask, cache, positions) from both paths.
+    draft = from_target(
+        tiny_target,
+        _counts(tiny_target),
+        style=style,
+        ttt_steps=k_max,
+        vocab_size=vocab_size,
+        init="random",
+    ).eval()
+    V = tiny_target.vocab_size
+    draft_ids = torch.arange(V) if draft.vocab_ids() is None else draft.vocab_ids()  # [V_draft]
+    layers = draft.hidden_layers
+    drafter = draft.make_drafter(tiny_target)
+    sampling = Sampling(temperature=1.0)
+    gen, rng = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    committed = torch.randint(6, V, (2, 5), generator=rng)  # [B, N] verified, features known
+    last = torch.randint(6, V, (2,), generator=rng)  # [B] x_{t+1}, not yet through the target
+    drafter.prefill(committed, tiny_target(committed, hidden_layers=layers))
+    for k, n in [(4, 1), (2, 0), (4, 4), (3, 2), (1, 1), (4, 3), (4, 0), (3, 3)]:
+        drafts, q = drafter.propose(last, k, sampling, gen)  # [B, k], [B, k, V]
+        context = torch.cat([committed, last[:, None]], 1)  # [B, t+2]
+        t = context.shape[1] - 2
+        seq = torch.cat([context, drafts[:, :-1]], 1)  # [B, t+1+k]
+        with torch.no_grad():
+            train = draft(tiny_target, seq, tiny_target(seq, hidden_layers=layers))
+        for s in range(k):
+            torch.testing.assert_close(
+                train.logits[s][:, t].log_softmax(-1),
+                q[:, s, draft_ids].log(),
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, s=s, t=t: f"unroll step {s}, anchor {t}: {m}",
+            )
+        correction = torch.randint(6, V, (2,), generator=rng)
+        kept = torch.cat([context, drafts[:, :n]], 1)  # [B, t+2+n]
+        out = tiny_target(kept, hidden_layers=layers)
+        kept_out = TargetOutput(None, {la: h[:, -(n + 1) :] for la, h in out.hidden.items()}, None)
+        drafter.commit(n, torch.cat([drafts[:, :n], correction[:, None]], 1), kept_out)
+        committed, last = kept, correction
+    # The drafts were varied tokens, so a token read one step too early or late shows.
+    assert len(set(committed[:, 5:].flatten().tolist())) >= 10
 
 
 def test_vocab_map_round_trip_and_checkpoint(tiny_target):

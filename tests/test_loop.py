@@ -159,7 +159,7 @@ def test_ce_data_labels_align_with_target_argmax(tmp_path):
     the data label x_{t+1} IS the target's argmax at t: both CE variants agree exactly.
     An off-by-one in the label shift breaks this."""
     from train.data import collate, prepare_data
-    from train.step_stats import offset_losses
+    from train.step_stats import offset_losses, proxy_tags, stats_size
     from train.target import build_tiny_random
 
     target = build_tiny_random(vocab_size=128, device="cpu")
@@ -175,7 +175,7 @@ def test_ce_data_labels_align_with_target_argmax(tmp_path):
     losses = {}
     for labels in ("data", "target"):
         c = compose_debug(tmp_path, "loss=ce", f"loss.labels={labels}")
-        stats = torch.zeros(5)
+        stats = torch.zeros(stats_size(1, len(proxy_tags(c.decode))))
         losses[labels] = offset_losses(
             out, t_out.logits, batch, [0], count, train.losses.cross_entropy, 1.0, c, stats
         ).item()
@@ -260,3 +260,69 @@ def test_lr_schedule_follows_the_time_budget():
         spent["share"] = share  # share of the budget spent = share of the cosine done
         assert by_time(step) == pytest.approx(by_step(step))
     assert by_time(500) == pytest.approx(0.1)  # budget spent: floor, whatever the step
+
+
+REPLAY = "replay.enabled=true"
+BAD_SETTINGS = [
+    (["decode.k=0"], r"decode.k \(draft tokens per round\) must be >= 1, got 0"),
+    (["decode.temperatures=[0.0,-0.5]"], r"decode: temperature must be >= 0"),
+    (["decode.temperatures=[]"], "decode.temperatures must list at least one"),
+    (["decode.top_p=0"], r"decode: top_p must be in \(0, 1\]"),
+    (["decode.top_p=1.5"], r"decode: top_p must be in \(0, 1\]"),
+    (["decode.top_k=-1"], "decode: top_k must be >= 0"),
+    (["decode.max_new_tokens=0"], "decode.max_new_tokens must be >= 1"),
+    (["decode.num_prompts=0"], "decode.num_prompts must be >= 1"),
+    (["decode.warmup=-1"], "decode.warmup .* must be >= 0"),
+    (["decode.dtype=fp8"], "decode.dtype: unknown dtype 'fp8'"),
+    (["decode=tree_dynamic", "decode.tree.depth=0"], "decode.tree: dynamic tree needs depth"),
+    (["decode=tree_static", "decode.tree.paths=[[1,0]]"], r"decode.tree: tree path \[1, 0\]"),
+    (["data.num_eval=0"], "eval_at_ckpt=true but the data has no eval prompts"),
+    ([REPLAY, "replay.every=0"], r"replay.every \(0\)"),
+    ([REPLAY, "replay.num_prompts=0"], r"replay.num_prompts \(0\)"),
+    ([REPLAY, "replay.k=0"], "replay.k .* must be >= 1"),
+    ([REPLAY, "replay.ratio=1.5"], "replay.ratio is the replay share"),
+    ([REPLAY, "replay.capacity=0"], "replay.capacity must be >= 1"),
+    ([REPLAY, "replay.accepted_loss=l2"], r"replay.accepted_loss='l2' is not one of"),
+    ([REPLAY, "replay.temperature=-1"], "replay: temperature must be >= 0"),
+    ([REPLAY, "replay.top_p=0"], "replay: top_p must be in"),
+    ([REPLAY, "replay.max_new_tokens=0"], "replay.max_new_tokens must be >= 1"),
+    ([REPLAY, "replay.dtype=fp8"], "replay.dtype: unknown dtype"),
+    (["train.steps=0"], "train.steps must be >= 1"),
+    (["train.batch_size=0"], "train.batch_size must be >= 1"),
+    (["train.grad_accum=0"], "train.grad_accum must be >= 1"),
+    (["train.log_every=0"], "train.log_every must be >= 1"),
+    (["train.ckpt_every=0"], "train.ckpt_every must be >= 1"),
+    (["train.keep_last=-1"], "train.keep_last must be >= 0"),
+    (["train.max_grad_norm=-1"], "train.max_grad_norm must be > 0"),
+    (["train.time_budget_s=0"], "train.time_budget_s must be > 0"),
+    (["loss.name=l2"], "loss.name='l2' is not one of"),
+    (["loss.temperature=0"], "loss.temperature must be > 0"),
+    (["optim.lr=-1"], "optim: Invalid learning rate"),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, message", BAD_SETTINGS, ids=[" ".join(o) for o, _ in BAD_SETTINGS]
+)
+def test_bad_setting_fails_before_the_target_is_loaded(tmp_path, monkeypatch, overrides, message):
+    import train.loop
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target/draft was built before the settings were checked")
+
+    monkeypatch.setattr(train.loop, "_instantiate", no_loading)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        train.loop.run(compose_debug(run_dir, *overrides))
+    assert not run_dir.exists()  # no config, metrics or checkpoint written
+
+
+def test_bad_setting_fails_fast_on_a_resumed_run(tmp_path):
+    # The checks come before resume/overwrite handling too: overwrite=true deletes nothing.
+    from train.loop import run
+
+    run(compose_debug(tmp_path, "train.eval_at_ckpt=false"))
+    before = list_checkpoints(tmp_path)
+    with pytest.raises(ValueError, match="decode.k"):
+        run(compose_debug(tmp_path, "overwrite=true", "decode.k=0"))
+    assert list_checkpoints(tmp_path) == before and before

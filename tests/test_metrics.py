@@ -1,22 +1,38 @@
-"""decoding/metrics.py: τ, α and the histogram from exactly known drafts."""
+"""decoding/metrics.py: τ, α and the histogram from exactly known drafts; per-round step
+costs from a fake clock."""
 
 from __future__ import annotations
 
 import json
+import types
 
+import pytest
+
+import decoding.spec
 from decoding.drafters import DraftLMDrafter
 from decoding.metrics import acceptance_stats, evaluate, greedy_match
-from decoding.spec import GenerationResult
-from tests.test_spec import make_target, prompt_ids, shifted_copy
+from decoding.spec import GenerationResult, generate
+from tests.test_spec import make_target, noisy_copy, prompt_ids, shifted_copy
 
 
 def test_acceptance_stats_by_hand():
-    r = GenerationResult(sequences=[[]], accept_counts=[3, 0, 1, 3, 2], draft_lens=[3, 3, 3, 3, 0])
+    r = GenerationResult(
+        sequences=[[]],
+        accept_counts=[3, 0, 1, 3, 0],
+        draft_lens=[3, 3, 3, 3, 0],
+        round_tokens=[4, 1, 2, 4, 1],  # accepted + the correction/bonus token
+    )
     s = acceptance_stats([r], k=3)
-    assert s["tau"] == 1 + 7 / 4  # the AR-only last round (0 drafts) is not a verify round
+    assert s["tau"] == r.tau == 1 + 7 / 5  # every verify forward, the last AR step included
+    assert s["tau_drafted"] == r.tau_drafted == 1 + 7 / 4  # rounds with drafts only
+    assert s["verify_rounds"] == 5 and s["drafted_rounds"] == 4
     assert s["accept_hist"] == [1, 1, 0, 2]
     assert s["alpha"] == [3 / 4, 2 / 3, 1.0]
     assert s["accept_cumulative"] == [3 / 4, 2 / 4, 2 / 4]
+    # A last round cut by an accepted EOS draft (2 drafts emitted, no bonus): τ counts the 2.
+    r.accept_counts[-1], r.draft_lens[-1], r.round_tokens[-1] = 2, 3, 2
+    s = acceptance_stats([r], k=3)
+    assert s["tau"] == r.tau == 13 / 5 and s["tau_drafted"] == 13 / 5
 
 
 def test_greedy_match():
@@ -53,12 +69,9 @@ def test_evaluate_perfect_and_wrong_drafts():
         eos_token_ids=[],
     )
     assert wrong["tau"] == 1.0 and wrong["alpha"] == [0.0, None, None]
-    assert wrong["accept_hist"] == [
-        2 * 10,
-        0,
-        0,
-        0,
-    ]  # 1 prefill + 10 rounds + 1 AR step and wrong["greedy_match_rate"] == 1.0
+    assert wrong["accept_hist"] == [2 * 10, 0, 0, 0]  # 1 prefill + 10 rounds + 1 AR step
+    assert wrong["verify_rounds"] == 2 * 11 and wrong["drafted_rounds"] == 2 * 10
+    assert wrong["greedy_match_rate"] == 1.0 and wrong["greedy_exact_match"] == 1.0
     for key in (
         "tokens_per_s",
         "ar_tokens_per_s",
@@ -67,3 +80,59 @@ def test_evaluate_perfect_and_wrong_drafts():
         "draft_time_share",
     ):
         assert wrong[key] > 0
+
+
+class CostlyPrefillDrafter(DraftLMDrafter):
+    """A draft LM whose prefill costs `prefill_s` more on the fake clock."""
+
+    def __init__(self, model, target, clock, prefill_s: float):
+        super().__init__(model, target)
+        self.clock, self.prefill_s = clock, prefill_s
+
+    def prefill(self, *args, **kwargs):
+        self.clock.now += self.prefill_s
+        return super().prefill(*args, **kwargs)
+
+
+class TickClock:
+    """perf_counter advancing one tick per call: every timed section lasts exactly one tick."""
+
+    tick = 1e-3
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_drafter_prefill_is_not_a_per_round_cost(monkeypatch):
+    clock = TickClock()
+    monkeypatch.setattr(
+        decoding.spec, "time", types.SimpleNamespace(perf_counter=clock.perf_counter)
+    )
+    target = make_target()
+    prompts = [prompt_ids(target, p)[0] for p in ("hello there", "write a poem about the sea")]
+    draft = noisy_copy(target.model, 0.3)
+    kw = dict(k=3, max_new_tokens=12, warmup=0, eos_token_ids=[])
+    light = evaluate(target, CostlyPrefillDrafter(draft, target, clock, 0.0), prompts, **kw)
+    heavy = evaluate(target, CostlyPrefillDrafter(draft, target, clock, 10.0), prompts, **kw)
+    # Every round costs one tick of target forward, plus one tick each of propose and commit
+    # when it drafted (the budget's last token is an AR step); prefills are left out.
+    verify, drafted = heavy["verify_rounds"], heavy["drafted_rounds"]
+    assert 0 < drafted < verify  # an AR step at the budget is a verify forward too
+    t_draft = 2 * drafted / verify  # ticks per round
+    for m in (light, heavy):
+        assert m["t_target_step_ms"] == pytest.approx(1e3 * clock.tick)
+        assert m["t_verify_ms"] == pytest.approx(1e3 * clock.tick)
+        assert m["t_draft_round_ms"] == pytest.approx(1e3 * clock.tick * t_draft)
+        assert m["predicted_speedup"] == pytest.approx(m["tau"] / (1 + t_draft))
+        assert m["draft_time_share"] == pytest.approx(heavy["draft_time_share"])
+        assert m["overhead_share"] == pytest.approx(heavy["overhead_share"])
+    one = generate(
+        target, prompt_ids(target, "hi"), CostlyPrefillDrafter(draft, target, clock, 10.0),
+        k=3, max_new_tokens=8, eos_token_ids=[],
+    )  # fmt: skip
+    assert one.draft_prefill_s == pytest.approx(10.0 + clock.tick)
+    assert one.draft_s == pytest.approx(clock.tick * 2 * sum(d > 0 for d in one.draft_lens))

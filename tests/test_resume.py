@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -89,3 +90,51 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     res_state = load_checkpoint(list_checkpoints(killed)[-1])[0]
     for name in ref_state:
         assert torch.equal(ref_state[name], res_state[name]), name
+
+
+def _truncate(path: Path, size: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:size])
+
+
+def test_damaged_newest_checkpoint_resumes_from_the_newest_intact_one(tmp_path):
+    from train.loop import run
+
+    torch.set_num_threads(1)
+    run(_compose(tmp_path, "train.steps=12"))  # checkpoints at 8 and 12 (keep_last=2)
+    want = _losses(tmp_path)
+    assert sorted(want) == list(range(1, 13))
+    newest, older = list_checkpoints(tmp_path)[-1], list_checkpoints(tmp_path)[-2]
+    assert (newest.name, older.name) == ("step_00000012", "step_00000008")
+    # Copies: safetensors maps the file, and the mapped pages vanish when it is truncated.
+    want_state = {name: t.clone() for name, t in load_checkpoint(newest)[0].items()}
+    damaged = newest / "draft.safetensors"
+    _truncate(damaged, damaged.stat().st_size // 2)  # e.g. a full disk while copying the run
+
+    with pytest.warns(UserWarning, match=f"resuming from {older}.*{damaged} is damaged"):
+        summary = run(_compose(tmp_path, "train.steps=12", "resume=true"))
+    assert summary["resumed_from"] == str(older)
+    assert _losses(tmp_path) == want  # steps 9..12 again, bit-identical
+    got_state = load_checkpoint(newest)[0]  # step 12 was written again, intact
+    for name in want_state:
+        assert torch.equal(got_state[name], want_state[name]), name
+
+
+def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path):
+    from train.loop import run
+
+    run(_compose(tmp_path, "train.steps=4", "train.ckpt_every=2"))
+    old, new = list_checkpoints(tmp_path)
+    _truncate(new / "draft.safetensors", 100)  # header length past the end of the file
+    _truncate(old / "trainer_state.pt", 1000)
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+
+    with pytest.raises(ValueError, match="draft.safetensors is damaged") as err:
+        load_checkpoint(new)  # loading a damaged checkpoint names the file, too
+    assert str(new / "draft.safetensors") in str(err.value)
+    with pytest.raises(ValueError, match="no checkpoint .* is intact") as err:
+        run(_compose(tmp_path, "train.steps=4", "train.ckpt_every=2", "resume=true"))
+    assert str(new / "draft.safetensors") in str(err.value)
+    assert str(old / "trainer_state.pt") in str(err.value)
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # nothing trained or dropped
+    assert list_checkpoints(tmp_path) == [old, new]

@@ -167,6 +167,31 @@ def test_eos_inside_an_accepted_draft_stops_each_row(target, refs):
     assert alone.sequences == [refs[0][:5]] and alone.rounds == 1  # prefill token + one round
 
 
+def test_accepted_drafts_after_eos_are_not_counted(target, refs):
+    # Perfect draft, k=4: round 1 drafts refs[0][1..4] = [x, EOS, y, z] and all four are
+    # accepted, but the row stops at EOS: 2 drafts emitted (x, EOS), so accept_counts = [2].
+    eos = refs[0][2]
+    assert eos not in refs[0][:2] and eos not in refs[1]
+    kw = dict(k=4, max_new_tokens=24, eos_token_ids=[eos])
+    ids = prompt_ids(target, PROMPTS[0])
+    alone = generate(target, ids, DraftLMDrafter(target.model), **kw)
+    assert alone.sequences == [refs[0][:3]] and alone.rounds == 1
+    # One verify forward emitted 2 tokens (x, EOS) and no bonus after the EOS: τ = 2.
+    assert alone.accept_counts == [2] and alone.round_tokens == [2]
+    assert alone.tau == alone.tau_drafted == 2.0
+    assert len(alone.sequences[0]) == 1 + sum(alone.round_tokens)  # prefill token + rounds
+    # Batch: the common accepted prefix cut after the last draft any unfinished row emitted.
+    same = generate(target, ids.expand(2, -1), DraftLMDrafter(target.model), **kw)
+    assert same.sequences == [refs[0][:3]] * 2 and same.accept_counts == [2]
+    rows, mask = left_pad([ids, prompt_ids(target, PROMPTS[1])], target.tokenizer.pad_token_id)
+    mixed = generate(target, rows, DraftLMDrafter(target.model), attention_mask=mask, **kw)
+    assert mixed.sequences == [refs[0][:3], refs[1]]
+    assert mixed.accept_counts[0] == 4  # row 1 emitted all four drafts
+    # Row 1 never stops early, so τ is exactly its tokens per verify forward.
+    assert len(mixed.sequences[1]) == 1 + mixed.rounds + sum(mixed.accept_counts)
+    assert len(mixed.sequences[1]) == 1 + sum(mixed.round_tokens)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_perfect_draft_gives_tau_k_plus_1(target, k):
     # 1 prefill token + 4 full rounds of k+1: no round is shortened by the budget.
@@ -248,8 +273,9 @@ def test_bad_prompt_and_vocab_raise(target):
 # Sampling is lossless: G-test of the first three tokens against the exact distribution.
 # ---------------------------------------------------------------------------------------
 
-N_SAMPLES = 1000  # batched runs (one generate call)
+N_SAMPLES = 1000  # the power check (one generate call)
 N_SINGLE = 400  # one generate call per sample (~25 ms each on this CPU)
+N_BATCH = 4  # rows per call in the batched check, N_SINGLE rows in all
 P_THRESHOLD = 1e-3  # seeded, so deterministic; a correct sampler fails this 0.1% of seeds
 
 
@@ -313,18 +339,26 @@ def test_sampling_matches_target_distribution(target, sampling):
         accepts.append(out.accept_counts[0])
     assert {0, 1, 2} <= set(accepts)  # every acceptance path was exercised
     assert g_test(samples, single_table) > P_THRESHOLD
-    # A batch of rows rejecting at different positions (common-prefix path).
-    batch = generate(
-        target,
-        ids.expand(N_SAMPLES, -1),
-        drafter,
-        k=2,
-        sampling=sampling,
-        max_new_tokens=4,
-        generator=gen,
-        eos_token_ids=NO_EOS,
-    )
-    assert g_test([tuple(s[:3]) for s in batch.sequences], table) > P_THRESHOLD
+    # Small batches with a close draft, so rows often accept together: a round keeps the
+    # common prefix n >= 1 and each row adds its own next draft or correction. Rows of a
+    # batch are independent samples of p (decoding/spec.py), so one G-test pools them.
+    close = DraftLMDrafter(noisy_copy(target.model, 0.05), target)
+    samples, common = [], []
+    for _ in range(N_SINGLE // N_BATCH):
+        out = generate(
+            target,
+            ids.expand(N_BATCH, -1),
+            close,
+            k=2,
+            sampling=sampling,
+            max_new_tokens=4,
+            generator=gen,
+            eos_token_ids=NO_EOS,
+        )
+        samples += [tuple(s[:3]) for s in out.sequences]
+        common.append(out.accept_counts[0])  # n of the first round (k=2), no EOS
+    assert common.count(1) >= 10 and common.count(2) >= 10  # rows kept accepting together
+    assert g_test(samples, single_table) > P_THRESHOLD
     # The test has power: the draft's own samples are rejected.
     draft_target = Target(draft, target.tokenizer, "draft")
     wrong = generate(

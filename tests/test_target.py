@@ -35,6 +35,33 @@ def test_tiny_random_is_seeded():
     assert not torch.equal(a(ids).logits, build_tiny_random(seed=4, device="cpu")(ids).logits)
 
 
+def test_sliding_window_layers_keep_their_past_for_rollback():
+    """Gemma 3 style sliding layers (window 4): decoding rolls back rejected drafts after the
+    cache has outgrown the window, then goes on exactly as a plain forward would."""
+    target = build_tiny_random(arch="gemma3", sliding_window=4, device="cpu")
+    ids = torch.arange(10, 26)[None]  # [1, 16]
+    full = target(ids).logits
+    out = target(ids[:, :10])
+    target(torch.full((1, 3), 7), cache=out.cache)  # 3 drafts, all rejected
+    out.cache.crop(-3)
+    rest = target(ids[:, 10:], cache=out.cache)
+    torch.testing.assert_close(rest.logits, full[:, 10:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+def test_other_architectures_load_from_a_local_directory(tmp_path, arch):
+    target = build_tiny_random(arch=arch, device="cpu")
+    target.model.save_pretrained(tmp_path)
+    target.tokenizer.save_pretrained(tmp_path)
+    loaded = load_hf_target(str(tmp_path), device="cpu")
+    assert type(loaded.model) is type(target.model)
+    ids = torch.tensor([[30, 31, 32, 33]])
+    torch.testing.assert_close(loaded(ids).logits, target(ids).logits)
+    assert loaded.rope_kwargs() == target.rope_kwargs()
+    with pytest.raises(ValueError, match="unknown tiny_random arch 'mamba'.*'llama', 'qwen3'"):
+        build_tiny_random(arch="mamba", device="cpu")
+
+
 def test_local_directory_round_trip(tmp_path, tiny_target: Target):
     tiny_target.model.save_pretrained(tmp_path)
     tiny_target.tokenizer.save_pretrained(tmp_path)

@@ -317,6 +317,65 @@ def test_greedy_tree_decoding_equals_target_greedy(target, refs, shape):
     assert max(accepted) >= min(2, depth) and 0 in accepted  # deep paths and corrections
 
 
+class FirstCandidateOracle:
+    """A batch: row b's first-candidate path (0, 0, ...) holds refs[b] up to new token
+    stops[b] and a wrong token after it; every other node is wrong too."""
+
+    hidden_layers = ()
+
+    def __init__(self, refs: list[list[int]], stops: list[int]):
+        self.refs, self.stops = refs, stops
+
+    def prefill(self, input_ids, target_out, attention_mask=None):
+        self.pos = 1  # refs[b][0] is the prefill's token (`last`)
+
+    def propose_tree(self, last_tokens, tree, sampling, generator=None, max_depth=None):
+        paths = static_tree(tuple(p for p in tree.paths if len(p) <= max_depth))
+        tokens = []
+        for ref, stop in zip(self.refs, self.stops):
+            row = []
+            for path in paths:
+                i = self.pos + len(path) - 1  # the new token this node would be
+                good = i < stop and not any(path)
+                row.append(ref[i] if good else (ref[i] + 1 + path[-1]) % V)
+            tokens.append(row)
+        parents = torch.tensor([static_parents(paths)] * len(self.refs))
+        return DraftTree(torch.tensor(tokens), parents, None)
+
+    def commit(self, num_accepted, emitted, target_out):
+        self.pos += emitted.shape[1]
+
+
+def test_tree_batch_keeps_decoding_after_a_row_stops(target, refs):
+    """Row 0 stops at EOS (new token 2) in round 1 and then rejects every node, while row 1
+    keeps accepting whole paths: the common depth n >= 1 exceeds row 0's accepted depth."""
+    eos = refs[0][2]
+    assert eos not in refs[0][:2] and eos not in refs[1]
+    ids, mask = left_pad(
+        [prompt_ids(target, p) for p in PROMPTS[:2]], target.tokenizer.pad_token_id
+    )
+    drafter = FirstCandidateOracle(refs[:2], stops=[3, len(refs[1])])
+    out = generate(
+        target, ids, drafter, tree=TreeSpec(), max_new_tokens=24, attention_mask=mask,
+        eos_token_ids=[eos],
+    )  # fmt: skip
+    assert out.sequences == [refs[0][:3], refs[1]]
+    assert out.accept_counts[:2] == [2, 4]  # round 2: row 1 alone accepts the full depth
+    assert len(out.sequences[1]) == 1 + out.rounds + sum(out.accept_counts)  # τ is row 1's
+
+
+def test_tree_accepted_nodes_after_eos_are_not_counted(target, refs):
+    # Round 1's accepted path is [x, EOS, y, z] (depth 4), but the row stops at EOS.
+    eos = refs[0][2]
+    drafter = FirstCandidateOracle(refs[:1], stops=[len(refs[0])])
+    out = generate(
+        target, prompt_ids(target, PROMPTS[0]), drafter, tree=TreeSpec(), max_new_tokens=24,
+        eos_token_ids=[eos],
+    )  # fmt: skip
+    assert out.sequences == [refs[0][:3]] and out.draft_lens == [4]
+    assert out.accept_counts == [2] and out.round_tokens == [2] and out.tau == 2.0  # no bonus
+
+
 @pytest.mark.parametrize("shape", ["default", "uneven"])
 def test_medusa_static_tree_greedy_equals_target_greedy_padded(target, refs, shape):
     heads = medusa.from_target(target, num_heads=4)

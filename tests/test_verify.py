@@ -18,6 +18,7 @@ from decoding.drafter import Sampling
 from decoding.verify import (
     acceptance_probability,
     check_sampling,
+    emitted_drafts,
     greedy_verify,
     rejection_verify,
     residual_distribution,
@@ -182,3 +183,11 @@ def test_sampling_probs_matches_references():
 def test_bad_sampling_settings_raise(bad, word):
     with pytest.raises(ValueError, match=word):
         check_sampling(bad)
+
+
+def test_emitted_drafts_stop_at_the_first_eos():
+    accepted = torch.tensor([[5, 2, 6, 7], [5, 6, 7, 8], [2, 9, 2, 6], [5, 6, 7, 9]])
+    eos = torch.tensor([2, 9])
+    assert emitted_drafts(accepted, eos).tolist() == [2, 4, 1, 4]
+    assert emitted_drafts(accepted, eos[:0]).tolist() == [4] * 4  # no EOS: every draft
+    assert emitted_drafts(accepted[:, :0], eos).tolist() == [0] * 4  # nothing accepted

@@ -9,7 +9,8 @@ Layout of `<run_dir>/checkpoints/step_00000100/`:
 A checkpoint is written into `.tmp-step_*`, every file fsync'ed, then the directory is
 renamed into place and the parent fsync'ed: a crash mid-write leaves only a `.tmp-*`
 directory, which `list_checkpoints` ignores and `clean_partial` removes. So a directory
-named `step_*` is always complete.
+named `step_*` is always complete when written; a file damaged later (a full disk, a bad
+copy) is caught by `checkpoint_damage`, and resume falls back to the newest intact one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,7 @@ from torch import Tensor
 CKPT_SUBDIR = "checkpoints"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+FILES = ("draft.safetensors", "draft.yaml", "trainer_state.pt")  # what resume reads
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -139,20 +142,49 @@ def save_checkpoint(
     return final
 
 
+def _damaged(file: Path, err: Exception) -> str:
+    return f"{file} is damaged ({type(err).__name__}: {err})"
+
+
+def checkpoint_damage(path: str | Path) -> str | None:
+    """None if checkpoint `path` can be resumed from, else which file is damaged and how.
+    Cheap: the safetensors header (its tensor offsets must cover the file exactly, so a
+    truncated file fails without reading the tensors) and trainer_state.pt unpickled."""
+    path = Path(path)
+    missing = [n for n in FILES if not (path / n).is_file()]
+    if missing:
+        return f"missing {missing}"
+    try:
+        with safe_open(str(path / "draft.safetensors"), framework="pt") as f:
+            f.metadata()
+    except Exception as err:  # safetensors raises SafetensorError, an OSError, ...
+        return _damaged(path / "draft.safetensors", err)
+    try:
+        torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
+        return _damaged(path / "trainer_state.pt", err)
+    return None
+
+
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], str, dict]:
     """-> (draft state dict, draft config YAML, trainer state)."""
     path = Path(path)
-    missing = [
-        n
-        for n in ("draft.safetensors", "draft.yaml", "trainer_state.pt")
-        if not (path / n).is_file()
-    ]
+    missing = [n for n in FILES if not (path / n).is_file()]
     if missing:
         raise FileNotFoundError(
             f"checkpoint {path} is missing {missing}; it was not written by draftlab"
         )
-    draft_state = load_tensors(path / "draft.safetensors")
-    trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    fix = "; use another checkpoint of the run"
+    try:
+        draft_state = load_tensors(path / "draft.safetensors")
+    except Exception as err:
+        raise ValueError(_damaged(path / "draft.safetensors", err) + fix) from err
+    try:
+        trainer_state = torch.load(
+            path / "trainer_state.pt", map_location="cpu", weights_only=False
+        )
+    except Exception as err:
+        raise ValueError(_damaged(path / "trainer_state.pt", err) + fix) from err
     return draft_state, (path / "draft.yaml").read_text(), trainer_state
 
 
@@ -172,7 +204,9 @@ def load_draft(
 
 def resume_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Path | None:
     """Decide, before anything heavy, whether a run starts fresh (None) or resumes from the
-    returned checkpoint; removes a crashed write's partial directory."""
+    returned checkpoint: the newest intact one, with a warning naming any newer damaged one
+    (it is left in place; the run re-saves that step when it gets there). Removes a crashed
+    write's partial directory."""
     clean_partial(run_dir)
     newest = latest_checkpoint(run_dir)
     if resume and overwrite:
@@ -183,7 +217,23 @@ def resume_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Path | No
                 f"resume=true but {run_dir}/checkpoints holds no checkpoint. Drop resume=true to "
                 "start a new run, or set name/seed/run_dir to the run you want to continue."
             )
-        return newest
+        damaged = []
+        for ckpt in reversed(list_checkpoints(run_dir)):
+            damage = checkpoint_damage(ckpt)
+            if damage is None:
+                if damaged:
+                    warnings.warn(
+                        f"resuming from {ckpt}, the newest intact checkpoint, instead of the "
+                        f"damaged newer one(s): {'; '.join(damaged)}",
+                        stacklevel=2,
+                    )
+                return ckpt
+            damaged.append(f"{ckpt.name}: {damage}")
+        raise ValueError(
+            f"resume=true but no checkpoint in {run_dir}/checkpoints is intact: "
+            f"{'; '.join(damaged)}. Delete the damaged directories, or pass overwrite=true "
+            "(instead of resume=true) to start the run afresh."
+        )
     if newest is not None and not overwrite:
         raise FileExistsError(
             f"{run_dir} already has checkpoints (newest: {newest.name}). Pass resume=true to "

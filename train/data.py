@@ -3,9 +3,14 @@
 `prepare_data(target, **cfg.data)` is the one entry point. Every source becomes a list
 of conversations (`messages` with role/content); a held-out slice becomes the eval
 prompts; the rest is (by default) re-answered by the target (train/regenerate.py) and
-tokenized with the target's chat template. `loss_mask[t] = 1` iff `input_ids[t+1]` is a
-token the assistant produced (its content and its end-of-turn token), so position t is
-trained exactly where the target's logits at t predict an assistant token.
+tokenized with ONE chat template, used for regeneration, training masks and evaluation
+prompts alike (`data.chat_template`: null = the tokenizer's own; a preset, `chatml` or
+`plain`; or a Jinja template string). `plain` is for base models, which have no template:
+the messages' text one after another, a newline between them, the answer then the EOS
+(after the BOS when the tokenizer adds one to plain text). `loss_mask[t] = 1` iff
+`input_ids[t+1]` is a token the assistant produced (its content and its end-of-turn
+token), so position t is trained exactly where the target's logits at t predict an
+assistant token.
 
 Sources: "embedded" (train/corpus.py: HumanEval, Shakespeare, CPython stdlib; no network),
 a local .json/.jsonl/.parquet file, or a local directory / hub dataset name (both go
@@ -23,10 +28,12 @@ from pathlib import Path
 import datasets
 import torch
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from train.corpus import CATEGORIES, embedded_conversations
 from train.regenerate import regenerate as regenerate_responses
 from train.target import Target
+from train.tiny_tokenizer import CHATML_TEMPLATE
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -118,6 +125,52 @@ def load_conversations(source: str, split: str = "train") -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------
+# The chat template
+# ---------------------------------------------------------------------------------
+
+# Base models: each message's text, a newline between messages and after the prompt (the
+# generation prompt), the EOS after each answer. Prefix by prefix, as the mask needs.
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' and eos_token %}{{ eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '\\n' }}{% endif %}"
+)
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "plain": PLAIN_TEMPLATE}
+
+
+def resolve_chat_template(
+    tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None
+) -> str:
+    """The one template for regeneration, training masks and evaluation (a Jinja string).
+
+    None: the tokenizer's own; `chatml` / `plain`: a preset; anything else: a Jinja
+    template. `plain` starts with the BOS when the tokenizer puts one before plain text
+    (the template's text is tokenized without special tokens)."""
+    if chat_template is None:
+        if tokenizer.chat_template is None:
+            raise ValueError(
+                "the target's tokenizer has no chat template (a base model?); set "
+                "data.chat_template=plain (prompt text, then the answer), a preset "
+                f"({', '.join(CHAT_TEMPLATES)}) or a Jinja template string; one template "
+                "is used for regeneration, training masks and evaluation"
+            )
+        return tokenizer.get_chat_template()
+    if chat_template == "plain":
+        bos = tokenizer.bos_token_id
+        adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+        return ("{{ bos_token }}" if adds_bos else "") + PLAIN_TEMPLATE
+    if chat_template in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[chat_template]
+    if "{{" not in chat_template and "{%" not in chat_template:
+        raise ValueError(
+            f"data.chat_template={chat_template!r} is neither a preset "
+            f"({', '.join(CHAT_TEMPLATES)}) nor a Jinja template string"
+        )
+    return chat_template
+
+
+# ---------------------------------------------------------------------------------
 # Tokenization with the assistant-only mask
 # ---------------------------------------------------------------------------------
 
@@ -127,6 +180,7 @@ def tokenize_conversation(
     messages: list[dict],
     add_generation_prompt: bool = False,
     end_tokens: list[str] | None = None,
+    chat_template: str | None = None,  # a Jinja template; None = the tokenizer's
 ) -> tuple[list[int], list[int]]:
     """input_ids and per-token assistant flags (not yet shifted) for one conversation.
 
@@ -144,7 +198,9 @@ def tokenize_conversation(
         )
 
     def render(msgs: list[dict], gen: bool = False) -> str:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return tokenizer.apply_chat_template(
+            msgs, chat_template=chat_template, tokenize=False, add_generation_prompt=gen
+        )
 
     text = render(messages, add_generation_prompt)
     ends = [e for e in (end_tokens or [tokenizer.eos_token]) if e]
@@ -207,23 +263,23 @@ def prepare_data(
     seed: int = 0,
     cache_dir: str | None = None,
     stdlib_files: int = 150,
+    chat_template: str | None = None,
     progress: bool = True,
 ) -> PreparedData:
-    """Training rows (target-regenerated by default), eval prompts, label token counts."""
+    """Training rows (target-regenerated by default), eval prompts, label token counts.
+    `chat_template`: None = the tokenizer's, a preset name or a Jinja string (module doc)."""
     tok = target.tokenizer
-    if tok.chat_template is None:
-        raise ValueError(
-            f"target {target.name!r} has no chat template; set "
-            "tokenizer.chat_template (one template is used for regeneration, "
-            "training masks and evaluation)"
-        )
+    try:
+        template = resolve_chat_template(tok, chat_template)
+    except ValueError as err:
+        raise ValueError(f"target {target.name!r}: {err}") from None
     max_prompt = max_len // 2  # leave at least half of max_len for the answer
 
     # Every token id the target stops on (e.g. <|eot_id|> besides <|end_of_text|>).
     end_tokens = tok.convert_ids_to_tokens(target.eos_token_ids)
 
     def tokenize(messages: list[dict], gen: bool = False) -> tuple[list[int], list[int]]:
-        return tokenize_conversation(tok, messages, gen, end_tokens)
+        return tokenize_conversation(tok, messages, gen, end_tokens, template)
 
     def prompt_ids(messages: list[dict]) -> list[int]:
         return tokenize(messages, gen=True)[0]
@@ -310,6 +366,7 @@ def prepare_data(
             dtype=regen_dtype,
             seed=seed,
             cache_dir=cache_dir,
+            chat_template=template,
             progress=progress,
         )
         for it, answer in zip(items, answers, strict=True):

@@ -2,11 +2,14 @@
 
 Decoding runs in bf16 on CPU (fp32 small-row linears are 15-60x slower here, see
 design.md §5), so the loop hands over bf16 copies of the frozen target (made once and
-reused: it never changes) and of the current draft. For every configured temperature
-`decoding.metrics.evaluate` measures tau, per-position acceptance and speedup against AR
-on the same prompts in the same call; next to it we log the training proxy's prediction
-(simulated tau from alpha = sum min(p, q) for T > 0, from top-1 agreement for greedy) and
-its error, so a train/decode mismatch (high proxy, tau ~ 1) shows up at once.
+reused: it never changes) and of the current draft. The copies keep their rotary
+frequencies in float32 (models.protocol.cast_keep_rotary): a bare `.to(bfloat16)` rounds
+inv_freq and decodes a different target than the one trained on. For every configured
+temperature `decoding.metrics.evaluate` measures tau, per-position acceptance and speedup
+against AR on the same prompts in the same call; next to it we log the training proxy's
+prediction at that same sampling (simulated tau from alpha = sum min(p, q) at the decode's
+temperature / top-k / top-p for T > 0, from top-1 agreement for greedy; train/step_stats.py)
+and its error, so a train/decode mismatch (high proxy, tau ~ 1) shows up at once.
 """
 
 from __future__ import annotations
@@ -16,14 +19,25 @@ import copy
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.drafter import Sampling
+from models.protocol import cast_keep_rotary
+from train.step_stats import decode_samplings
 from train.target import Target, resolve_dtype
 
 
 def decode_copy(target: Target, dtype: torch.dtype) -> Target:
-    """A frozen copy of the target in the decoding dtype (the training target is untouched)."""
-    model = copy.deepcopy(target.model).to(dtype)
+    """The target in the decoding dtype: the training target itself when it already has
+    that dtype, else a frozen copy with float32 rotary frequencies (the training target is
+    untouched)."""
+    if target.dtype == dtype:
+        return target
+    model = cast_keep_rotary(copy.deepcopy(target.model), dtype)
     return Target(model, target.tokenizer, name=target.name)
+
+
+def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the draft in the decoding dtype with float32 rotary frequencies (drafters
+    may freeze or convert the module they wrap; the trained draft is untouched)."""
+    return cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
 
 
 def evaluate_checkpoint(
@@ -47,7 +61,7 @@ def evaluate_checkpoint(
         tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
     if target_eval is None:
         target_eval = decode_copy(target, dtype)
-    draft_eval = copy.deepcopy(draft).to(dtype).eval()
+    draft_eval = draft_decode_copy(draft, dtype)
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = (
@@ -65,13 +79,8 @@ def evaluate_checkpoint(
         torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in eval_prompts[:num]
     ]
     result: dict = {"k": k, "num_prompts": len(prompts)}
-    temperatures = [float(t) for t in dec.get("temperatures", [0.0])]
-    for temp in temperatures:
-        sampling = Sampling(
-            temperature=float(temp),
-            top_k=int(dec.get("top_k", 0)),
-            top_p=float(dec.get("top_p", 1.0)),
-        )
+    samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
+    for tag, sampling in samplings.items():
         with torch.no_grad():
             m = evaluate(
                 decode_target,
@@ -85,14 +94,17 @@ def evaluate_checkpoint(
                 adaptive_k=bool(dec.get("adaptive_k", False)),
                 tree=tree,
             )
-        tag = "greedy" if sampling.greedy else f"T{temp:g}"
         for key, value in m.items():
             result[f"{tag}/{key}"] = value
+        # The proxy computed at this very sampling; absent from train records written
+        # before this temperature was configured (a resumed run), and then not reported.
+        predicted = None
         if proxy is not None:
-            predicted = proxy["sim_tau_greedy"] if sampling.greedy else proxy["sim_tau"]
+            predicted = proxy.get("sim_tau_greedy" if sampling.greedy else f"sim_tau_{tag}")
+        if predicted is not None:
             result[f"{tag}/proxy_tau"] = predicted
             result[f"{tag}/proxy_error"] = predicted - m["tau"]
-    first = "greedy" if 0.0 in temperatures else f"T{temperatures[0]:g}"
+    first = "greedy" if "greedy" in samplings else next(iter(samplings))
     result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
     result["speedup"] = result.get(f"{first}/speedup")
     return result, target_eval

@@ -43,7 +43,8 @@ from train.data import collate, prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.losses import LOSSES
 from train.replay import Replay
-from train.step_stats import StepWindow, offset_losses
+from train.settings import check_settings
+from train.step_stats import StepWindow, offset_losses, proxy_tags
 from train.tracking import setup_wandb_env, wandb_run_settings, wandb_summary
 
 
@@ -125,6 +126,7 @@ def _preflight(draft, target, sample_ids: torch.Tensor) -> list[int]:
 
 def run(cfg: DictConfig) -> dict:
     """Train cfg.draft on cfg.target; checkpoints, evaluation and summary in cfg.run_dir."""
+    check_settings(cfg)  # every decode / replay / loop setting, before anything is loaded
     accelerator = _make_accelerator(cfg)
     main, rank, world = (
         accelerator.is_main_process,
@@ -138,8 +140,6 @@ def run(cfg: DictConfig) -> dict:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         for name in ("metrics.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
-    if cfg.loss.name not in LOSSES:
-        raise ValueError(f"loss.name={cfg.loss.name!r} is not one of {sorted(LOSSES)}")
     tc = cfg.train
     set_seed(cfg.seed)
 
@@ -164,8 +164,6 @@ def run(cfg: DictConfig) -> dict:
     # evaluations. With train.time_budget_s the run stops once it is spent (tc.steps is then
     # a cap), which is how runs of different step cost are compared at equal wall-clock.
     budget = tc.get("time_budget_s")
-    if budget is not None and budget <= 0:
-        raise ValueError(f"train.time_budget_s must be > 0 seconds or null, got {budget}")
     clock = {"train_s": 0.0}
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -251,7 +249,7 @@ def run(cfg: DictConfig) -> dict:
     k_decode = int(cfg.decode.k)
     rows_per_step = tc.batch_size * world * tc.grad_accum
     n_off = len(offsets)
-    window = StepWindow(n_off)
+    window = StepWindow(n_off, proxy_tags(cfg.decode))
     # A resumed run's summary covers the whole run: records up to the checkpoint come back.
     earlier = []
     if main and resume_from is not None and metrics_path.exists():
@@ -295,9 +293,8 @@ def run(cfg: DictConfig) -> dict:
             device=accelerator.device,
         ).sum(0)  # [n_off]
         counts = accelerator.reduce(counts, reduction="sum").clamp_min(1.0)
-        stats = torch.zeros(
-            3 * n_off + 2, device=accelerator.device
-        )  # loss, alpha, top1 sums; aux; tokens
+        # loss, alpha, top1 sums; aux; alpha per decode sampling; tokens (train/step_stats.py)
+        stats = torch.zeros(window.size, device=accelerator.device)
         t_target = 0.0
         replay_share = 0.0  # replay's share of the loss; the offline part gets 1 - share
         if replay is not None:  # own rollouts + backward, before the syncing micro-batch

@@ -5,8 +5,9 @@ what the draft sees at decode time: the field reports ~+10% τ from it.
 
 Cache layout: <root>/data/regen/<settings-key>/responses.jsonl, one JSON line per
 answered prompt, appended batch by batch (a crash loses at most one batch; a rerun
-skips every prompt already in the file). The settings key hashes the target name, its
-chat template and the sampling settings; inside it each line is keyed by a hash of the
+skips every prompt already in the file). The settings key hashes the target name, the
+chat template the prompts were rendered with (data.chat_template, resolved) and the
+sampling settings; inside it each line is keyed by a hash of the
 prompt's token ids, so a larger or reshuffled prompt set reuses every earlier answer.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from models.protocol import cast_keep_rotary
 from train.target import Target, resolve_dtype
 
 
@@ -35,13 +37,26 @@ def _sha(obj: object) -> str:
 
 
 def settings_key(
-    target: Target, max_new_tokens: int, temperature: float, top_p: float, seed: int
+    target: Target,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    chat_template: str | None = None,
+    dtype: str = "bfloat16",
 ) -> dict:
-    """Everything that changes an answer besides the prompt itself."""
+    """Everything that changes an answer besides the prompt itself. `chat_template`: the
+    template the prompts were rendered with; None = the tokenizer's own. `dtype`: the
+    generation dtype (bf16 and fp32 greedy answers part at near-ties). Caches written before
+    the dtype was part of the key came from a bf16 copy whose rotary frequencies were rounded
+    to bf16 (not the target's own answers), so they are deliberately not reused."""
+    if chat_template is None:
+        chat_template = target.tokenizer.chat_template or ""
     return {
         "target": target.name,
-        "chat_template": _sha(target.tokenizer.chat_template or ""),
+        "chat_template": _sha(chat_template),
         "eos": target.eos_token_ids,
+        "dtype": str(resolve_dtype(dtype)).removeprefix("torch."),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         # top_p and the seed do not matter for greedy decoding; keep one cache for it.
@@ -84,9 +99,11 @@ def regenerate(
     dtype: str = "bfloat16",
     seed: int = 0,
     cache_dir: str | Path | None = None,
+    chat_template: str | None = None,
     progress: bool = True,
 ) -> tuple[list[dict], dict]:
-    """Answer each prompt (token ids, chat template applied with the generation prompt).
+    """Answer each prompt (token ids, chat template applied with the generation prompt;
+    `chat_template` is the template used, None = the tokenizer's: part of the cache key).
 
     Returns one dict per prompt, in order: `ids` (new tokens, the EOS included when the
     target stopped by itself) and `finished`; plus stats (cache hits, tokens/s).
@@ -95,7 +112,7 @@ def regenerate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    settings = settings_key(target, max_new_tokens, temperature, top_p, seed)
+    settings = settings_key(target, max_new_tokens, temperature, top_p, seed, chat_template, dtype)
     root = Path(cache_dir) if cache_dir else default_cache_root()
     shard_dir = root / "data" / "regen" / _sha(settings)
     shard_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +138,7 @@ def regenerate(
         model = target.model
         gen_dtype = resolve_dtype(dtype)
         if model.dtype != gen_dtype:
-            model = copy.deepcopy(model).to(gen_dtype)
+            model = cast_keep_rotary(copy.deepcopy(model), gen_dtype)  # float32 rotary
         eos = set(target.eos_token_ids)
         pad_id = target.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else target.eos_token_ids[0]

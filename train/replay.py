@@ -54,6 +54,7 @@ from torch import Tensor
 
 from decoding.drafter import Sampling
 from models.protocol import DraftOutput
+from train.evaluate import decode_copy, draft_decode_copy
 from train.losses import LOSSES
 from train.target import Target, resolve_dtype
 
@@ -370,19 +371,17 @@ class Replay:
 
     def _rollout_models(self, target: Target, draft: torch.nn.Module):
         """The target (a copy only when the dtype differs) and a COPY of the draft, in the
-        rollout dtype: drafters may freeze or convert the module they wrap
-        (DraftLMDrafter sets requires_grad=False), which must not touch the trained one."""
-        draft = copy.deepcopy(draft).eval()
+        rollout dtype with float32 rotary frequencies (train/evaluate.py): drafters may
+        freeze or convert the module they wrap (DraftLMDrafter sets requires_grad=False),
+        which must not touch the trained one."""
         if self.dtype is None:
-            return target, draft
+            return target, copy.deepcopy(draft).eval()
         dtype = resolve_dtype(self.dtype)
-        if target.model.dtype != dtype:
+        if target.dtype != dtype:
             if self._target_copy is None:  # frozen: one copy for the whole run
-                from train.evaluate import decode_copy
-
                 self._target_copy = decode_copy(target, dtype)
             target = self._target_copy
-        return target, draft.to(dtype)
+        return target, draft_decode_copy(draft, dtype)
 
     def maybe_rollout(self, step: int, target: Target, draft: torch.nn.Module) -> None:
         """Every `every` steps (step 0 included): decode num_prompts training prompts."""

@@ -289,7 +289,7 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
         cells += [_fmt(s["proxy_tau"]), steps_cell, _fmt(s[time_col], 1)]
         lines.append("| " + " | ".join(cells) + " |")
     notes = (
-        "\nτ = tokens per target verify forward, bonus included (shared/design.md §3), from each "
+        "\nτ = tokens per target verify forward, bonus included (docs/design.md §3), from each "
         "run's final evaluation; mean ± half-width of the 95% Student t-interval over the "
         "group's runs (seeds), no ± for a single run. speedup = speculative / AR tokens/s on "
         "the same prompts in the same process (decoding/metrics.py) at "

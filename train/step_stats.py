@@ -2,21 +2,100 @@
 
 `offset_losses` sums the configured loss over every draft offset (Medusa heads, MTP depths,
 EAGLE unroll steps; the draft LM has one offset 0), normalised by the GLOBAL count of trained
-positions per offset and weighted offset_decay**i, and accumulates per-offset sums of the
-loss, the acceptance proxy Σ min(p, q) and top-1 agreement into `stats`. `StepWindow` turns
-those sums into the `kind: train` records of metrics.jsonl.
+positions per offset and weighted offset_decay**i, and accumulates per-offset sums into
+`stats`. `StepWindow` turns those sums into the `kind: train` records of metrics.jsonl.
+
+The acceptance statistics are the decoder's (train/losses.py): top-1 agreement with the
+target's full-vocabulary argmax (greedy), and alpha = Σ min(p, q) over the draft's ids with
+the target's un-renormalised full-vocabulary p, at the loss temperature (`alpha`) and at
+every T > 0 decode sampling of cfg.decode, with its top-k / top-p (`alpha_T0.7`), which is
+what train/evaluate.py compares with the decoder's tau. The loss itself keeps the target
+renormalised over a reduced draft vocabulary.
+
+Reduced draft vocabulary: a position whose target argmax lies outside it can never be a
+greedy hit; `oov_share` logs their share (offset 0's positions), and
+`train.mask_out_of_vocab=true` drops them from the loss (SpecForge's position mask). The
+loss is still divided by the count of all trained positions, so masked positions weigh 0.
+
+Layout of `stats` (one tensor, reduced across ranks), n = number of offsets, m = number of
+T > 0 decode samplings:
+  [0, n) loss sums | [n, 2n) alpha at the loss temperature | [2n, 3n) top-1 hits |
+  3n auxiliary loss | [3n+1, 3n+1+mn) alpha per decode sampling, offset-minor |
+  3n+1+mn out-of-vocabulary positions at offset 0 | last: tokens.
 """
 
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 
-from train.losses import acceptance_proxy, simulated_tau, top1_agreement
+from decoding.drafter import Sampling
+from train.losses import acceptance_proxy, sampling_cutoffs, simulated_tau, top1_agreement
+
+
+def sampling_tag(sampling: Sampling) -> str:
+    """The name of a decode sampling in eval and train records: "greedy", "T0.7"."""
+    return "greedy" if sampling.greedy else f"T{sampling.temperature:g}"
+
+
+def decode_samplings(dec: DictConfig) -> dict[str, Sampling]:
+    """tag -> Sampling of every temperature the decoder evaluates (cfg.decode)."""
+    out = {}
+    for temp in dec.get("temperatures", [0.0]):
+        sampling = Sampling(
+            temperature=float(temp),
+            top_k=int(dec.get("top_k", 0)),
+            top_p=float(dec.get("top_p", 1.0)),
+        )
+        out[sampling_tag(sampling)] = sampling
+    return out
+
+
+def proxy_tags(dec: DictConfig) -> list[str]:
+    """The T > 0 decode samplings the acceptance proxy is computed at, in `stats` order."""
+    return [tag for tag, s in decode_samplings(dec).items() if not s.greedy]
+
+
+def stats_size(n_off: int, num_tags: int) -> int:
+    """Slots of `stats` for n_off offsets and num_tags T > 0 decode samplings (layout above)."""
+    return (3 + num_tags) * n_off + 3
+
+
+def _alpha_slot(n_off: int, j: int) -> int:
+    """First slot of alpha sampling j: 0 = the loss temperature, j >= 1 = decode sampling j."""
+    return n_off if j == 0 else (2 + j) * n_off + 1
+
+
+def _oov_slot(n_off: int, num_tags: int) -> int:
+    return (3 + num_tags) * n_off + 1
 
 
 def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperature, cfg, stats):
     """Sum over offsets of gamma^i * loss_i, each normalised by the global count."""
     total, n_off, T = 0.0, len(offsets), batch["input_ids"].shape[1]
+    proxies = [Sampling(temperature=temperature)]  # the loss temperature, then the decode's
+    proxies += [s for s in decode_samplings(cfg.decode).values() if not s.greedy]
+    if stats.numel() != stats_size(n_off, len(proxies) - 1):
+        raise ValueError(
+            f"stats has {stats.numel()} slots; {n_off} offsets and {len(proxies) - 1} decode "
+            f"temperatures > 0 need stats_size(...) = {stats_size(n_off, len(proxies) - 1)}"
+        )
+    # Target-side numbers shared by every offset, from the full vocabulary, computed once:
+    # its argmax and, per sampling, two numbers per position that give its p (no [B, T, V] copy).
+    V = target_logits.shape[-1]
+    flat = target_logits.reshape(-1, V)  # [B*T, V] a view
+    top = target_logits.argmax(-1)  # [B, T]
+    cutoffs = [sampling_cutoffs(flat, s).view(*top.shape, 2) for s in proxies]  # [B, T, 2] each
+    in_vocab = None  # [V] bool: target ids inside a reduced draft vocabulary
+    mask_oov = bool(cfg.train.get("mask_out_of_vocab", False))
+    if mask_oov and out.vocab_ids is None:
+        raise ValueError(
+            "train.mask_out_of_vocab=true needs a reduced draft vocabulary (EAGLE-3's "
+            "draft.model.vocab_size); this draft predicts the full vocabulary: set it to false"
+        )
+    if out.vocab_ids is not None:
+        in_vocab = torch.zeros(V, dtype=torch.bool, device=top.device)
+        in_vocab[out.vocab_ids.to(top.device)] = True
     for i, (logits, off) in enumerate(zip(out.logits, offsets, strict=True)):
         if off != out.offsets[i]:
             raise ValueError(
@@ -28,6 +107,14 @@ def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperatu
             t = t.index_select(-1, out.vocab_ids.to(t.device))  # [B, T-off, Vd]
         d, t = d.reshape(-1, d.shape[-1]), t.reshape(-1, t.shape[-1])  # [N, Vd]
         mask = batch["loss_mask"][:, off:].reshape(-1)  # [N]
+        top_i = top[:, off:].reshape(-1)  # [N] the target's argmax over its whole vocabulary
+        loss_mask = mask
+        if in_vocab is not None:
+            oov = ~in_vocab[top_i]  # [N] greedy misses whatever the draft does
+            if i == 0:
+                stats[_oov_slot(n_off, len(proxies) - 1)] += (oov & mask.bool()).sum()
+            if mask_oov:
+                loss_mask = mask * ~oov
         kwargs = {}
         if cfg.loss.name == "ce" and cfg.loss.get("labels", "target") == "data":
             ids = batch["input_ids"]
@@ -38,24 +125,30 @@ def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperatu
                     "loss.labels=data needs a full-vocabulary draft; use labels=target"
                 )
             kwargs["labels"] = labels.reshape(-1)
-        loss_sum = loss_fn(d, t, mask, temperature=temperature, reduction="sum", **kwargs)
+        loss_sum = loss_fn(d, t, loss_mask, temperature=temperature, reduction="sum", **kwargs)
         total = total + cfg.train.offset_decay**i * loss_sum / counts[i]
         stats[i] += loss_sum.detach()
-        stats[n_off + i] += acceptance_proxy(d, t, mask, reduction="sum")
-        stats[2 * n_off + i] += top1_agreement(d, t, mask, reduction="sum")
+        # The decoder's view on every trained position, masked from the loss or not.
+        stats[2 * n_off + i] += top1_agreement(d, top_i, mask, out.vocab_ids, reduction="sum")
+        for j, (sampling, cut) in enumerate(zip(proxies, cutoffs, strict=True)):
+            cut_i = cut[:, off:].reshape(-1, 2)  # [N, 2]
+            alpha_sum = acceptance_proxy(d, t, mask, sampling, cut_i, reduction="sum")
+            stats[_alpha_slot(n_off, j) + i] += alpha_sum
     return total
 
 
 class StepWindow:
-    """Running sums between two log lines, plus run totals for the summary."""
+    """Running sums between two log lines, plus run totals for the summary. `tags` are the
+    T > 0 decode samplings of the proxy (proxy_tags(cfg.decode))."""
 
-    def __init__(self, n_off: int):
-        self.n_off = n_off
+    def __init__(self, n_off: int, tags: list[str]):
+        self.n_off, self.tags = n_off, list(tags)
+        self.size = stats_size(n_off, len(self.tags))
         self.total_tokens = self.total_time = self.total_target = 0.0
         self._reset()
 
     def _reset(self) -> None:
-        self.sums = torch.zeros(3 * self.n_off + 2)
+        self.sums = torch.zeros(self.size)
         self.counts = torch.zeros(self.n_off)
         self.loss = self.grad_norm = self.time = self.target_time = 0.0
         self.steps = 0
@@ -76,6 +169,7 @@ class StepWindow:
         n = self.n_off
         alpha = (self.sums[n : 2 * n] / self.counts).tolist()
         top1 = (self.sums[2 * n : 3 * n] / self.counts).tolist()
+        oov = float(self.sums[_oov_slot(n, len(self.tags))])
         rec = {
             "kind": "train",
             "step": step,
@@ -86,12 +180,18 @@ class StepWindow:
             "top1": top1,
             "sim_tau": simulated_tau(alpha, k),
             "sim_tau_greedy": simulated_tau(top1, k),
+            "oov_positions": oov,
+            "oov_share": oov / max(float(self.counts[0]), 1.0),
             "lr": lr,
             "grad_norm": self.grad_norm / self.steps,
             "steps_per_s": self.steps / self.time,
             "tokens_per_s": float(self.sums[-1]) / self.time,
             "target_time_share": self.target_time / self.time,
         }
+        for j, tag in enumerate(self.tags, start=1):
+            start = _alpha_slot(n, j)
+            alpha_t = (self.sums[start : start + n] / self.counts).tolist()
+            rec[f"alpha_{tag}"], rec[f"sim_tau_{tag}"] = alpha_t, simulated_tau(alpha_t, k)
         for i in range(n):
             rec[f"alpha_{i}"], rec[f"top1_{i}"] = alpha[i], top1[i]
         self._reset()

