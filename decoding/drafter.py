@@ -11,18 +11,18 @@ One decoding round, batch B, k draft tokens:
      kept positions (hidden states the drafter asked for), so it can roll its own cache
      back to the accepted prefix and absorb the new features.
 
-Drafters keep their own state (KV caches, last features) between calls.
+Drafters keep their own state (KV caches, last features) between calls. One drafter per
+draft kind lives in decoding/drafters/ (`make_drafter` picks it for a trained draft).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from train.target import TargetOutput
+from models.target import TargetOutput
 
 
 @dataclass(frozen=True)

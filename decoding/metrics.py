@@ -31,17 +31,15 @@ and returns a JSON-able dict:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from decoding.drafter import Drafter, Sampling
-from decoding.spec import GREEDY, GenerationResult, generate
-from train.target import Target
-
-if TYPE_CHECKING:
-    from decoding.tree import TreeSpec
+from decoding.rounds import GREEDY, GenerationResult
+from decoding.spec import generate
+from decoding.tree import TreeSpec
+from models.target import Target
 
 
 def _as_row(prompt: Tensor) -> Tensor:

@@ -31,29 +31,26 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from decoding.drafter import Sampling
-from decoding.spec import (
+from decoding.drafter import Drafter, Sampling
+from decoding.rounds import (
     GREEDY,
     GenerationResult,
     StreamFn,
-    _sync,
     check_inputs,
     count_emitted,
     emit,
     prefill,
+    sync,
 )
 from decoding.verify import node_depths, tree_verify
-from train.target import Target, TargetOutput
-
-if TYPE_CHECKING:
-    from decoding.drafter import Drafter
+from models.target import Target, TargetOutput
 
 # 15 nodes, depth 4: the verify forward of 16 positions costs ~1.3x a 1-token forward in
 # bf16 on this CPU (design.md §5: 25.3 vs 19.4 ms), so more width per depth is cheap,
@@ -279,7 +276,7 @@ def generate_tree(
         if max_depth > 0:
             t0 = time.perf_counter()
             draft = drafter.propose_tree(last, tree, sampling, generator, max_depth=max_depth)
-            _sync(device)
+            sync(device)
             result.draft_s += time.perf_counter() - t0
             tokens, parents, q = draft.tokens, draft.parents.to(device), draft.q
         else:  # the last token of the budget: a plain AR step
@@ -290,7 +287,7 @@ def generate_tree(
         past_len = cache.get_seq_length()
         t0 = time.perf_counter()
         out = tree_forward(target, cache, last, tokens, parents, next_pos, attn, hidden_layers)
-        _sync(device)
+        sync(device)
         result.verify_s += time.perf_counter() - t0
         # ---- verify: accepted path per row, common depth n over unfinished rows -------------
         res = tree_verify(tokens, parents, q, out.logits, sampling, generator)
@@ -319,7 +316,7 @@ def generate_tree(
         if max_depth > 0:
             t0 = time.perf_counter()
             drafter.commit(n_common, emitted, _gather_out(out, keep))
-            _sync(device)
+            sync(device)
             result.draft_s += time.perf_counter() - t0
         del out
         # ---- emit, stop at EOS / budget ------------------------------------------------------
@@ -329,6 +326,6 @@ def generate_tree(
         if stream is not None:
             stream(new)
 
-    _sync(device)
+    sync(device)
     result.total_s = time.perf_counter() - state.t_start
     return result

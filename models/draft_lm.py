@@ -15,17 +15,12 @@ Alignment: a draft LM predicts the next token, so `DraftOutput.offsets == [0]`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from models.protocol import DraftOutput
-
-if TYPE_CHECKING:
-    from decoding.drafter import Drafter
-    from train.target import Target, TargetOutput
+from models.target import Target, TargetOutput
 
 
 class DraftLM(nn.Module):
@@ -53,11 +48,6 @@ class DraftLM(nn.Module):
         """The plain HF causal LM (LoRA layers stay injected and active)."""
         get_base = getattr(self.model, "get_base_model", None)
         return get_base() if get_base is not None else self.model
-
-    def make_drafter(self, target: Target) -> Drafter:
-        from decoding.drafters import DraftLMDrafter
-
-        return DraftLMDrafter(self.causal_lm())
 
 
 def _config_from_target(
@@ -153,6 +143,7 @@ def from_target(
                 model.get_output_embeddings().requires_grad_(False)
     model = model.float().to(target.device)
     if lora_rank > 0:
+        # peft only for LoRA drafts: importing it costs seconds, which other drafts never pay.
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(

@@ -33,12 +33,11 @@ Frozen pieces: embedding and output head are read from `target` at call time (no
 not in the checkpoint); the reduced head is the target's lm_head rows at the draft ids.
 `train_head=True` gives a trained copy of those rows instead. The decoder layer's config
 copies hidden size, heads, intermediate size, rope settings and max_position_embeddings
-from the target. The drafter lives in models/eagle_drafter.py.
+from the target. The default taps, the vocabulary map and the identity init are in
+models/eagle_init.py; the decoder's drafter is decoding/drafters/eagle.py.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -50,36 +49,11 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from models.eagle_init import build_vocab_map, default_eagle3_layers, identity_init
 from models.protocol import DraftOutput
-
-if TYPE_CHECKING:
-    from decoding.drafter import Drafter
-    from train.target import Target, TargetOutput
+from models.target import Target, TargetOutput
 
 STYLES = ("eagle1", "eagle3")
-
-
-def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """Low / middle / high taps spread over depth, as EAGLE-3 (hidden_states indices
-    2, L/2, L-3: outputs of layers 1, L/2-1 and L-4). SmolLM2 (L=30): (2, 15, 27)."""
-    return (min(2, num_layers), max(num_layers // 2, 1), max(num_layers - 3, 1))
-
-
-def build_vocab_map(
-    token_counts: Tensor, size: int, always_keep: list[int] = ()
-) -> tuple[Tensor, Tensor]:
-    """The `size` most frequent target ids (ties -> lower id; `always_keep` forced in, e.g.
-    EOS), sorted by id. Returns d2t [size] long (target id = i + d2t[i]) and t2d [V] bool."""
-    counts = token_counts.detach().flatten().double().cpu()
-    vocab = counts.numel()
-    if not 0 < size <= vocab:
-        raise ValueError(f"draft vocab size must be in 1..{vocab} (target vocab), got {size}")
-    counts[list(always_keep)] = float("inf")
-    keep = torch.argsort(counts, descending=True, stable=True)[:size]
-    target_ids = keep.sort().values  # [size]
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[target_ids] = True
-    return target_ids - torch.arange(size), t2d
 
 
 class EagleDraft(nn.Module):
@@ -318,11 +292,6 @@ class EagleDraft(nn.Module):
             losses.append((err * m).sum() / m.sum().clamp_min(1.0))
         return torch.stack(losses).mean()
 
-    def make_drafter(self, target: Target) -> Drafter:
-        from models.eagle_drafter import EagleDrafter
-
-        return EagleDrafter(self, target)
-
 
 def _rms(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -363,7 +332,7 @@ def from_target(
     read (default: [-1] for EAGLE-1, low/mid/high for EAGLE-3). `vocab_size`: "full" or N
     (the N most frequent trained tokens; needs `token_counts` or a checkpoint's d2t/t2d).
     `init`: "identity" starts the head as a pass-through of the deepest tapped feature (see
-    `_identity_init`), "random" is plain random init."""
+    `models.eagle_init.identity_init`), "random" is plain random init."""
     if init not in ("identity", "random"):
         raise ValueError(f"init must be 'identity' or 'random', got {init!r}")
     cfg = target.config
@@ -414,7 +383,7 @@ def from_target(
         draft.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1.0))
     with torch.no_grad():  # start from the target's own output geometry
         if init == "identity":
-            _identity_init(draft)
+            identity_init(draft.input_proj, draft.fuse, draft.hidden_layers, draft.layer)
         if style == "eagle3":
             draft.norm.weight.copy_(target.final_norm_weight)
         if draft.lm_head is not None:
@@ -426,28 +395,3 @@ def _target_rows(draft: EagleDraft, target: Target) -> Tensor:
     weight = target.lm_head.weight.detach()
     ids = draft.vocab_ids()
     return weight if ids is None else weight[ids.to(weight.device)]
-
-
-def _identity_init(draft: EagleDraft) -> None:
-    """Start as a pass-through of the deepest tapped target feature.
-
-    A randomly initialised head sends a random unit-RMS direction through the target's norm
-    and head: logits with std ~6 on SmolLM2, a peaked random q, KL ~23 nats per position and
-    vanishing TV gradients (measured: TV training stalled at alpha ~0.03). Selecting the deepest
-    tap in `fuse`, the feature half of `input_proj`, and zeroing the layer's output projections
-    makes a fresh head predict roughly the target's own next-token distribution instead:
-    a sane start that every loss can improve. The token half of `input_proj` keeps a small
-    random init so the embedding's gradient is not zero."""
-    H = draft.input_proj.weight.shape[0]
-    eye = torch.eye(H, dtype=draft.input_proj.weight.dtype)
-    if draft.fuse is not None:
-        depth = [la if la >= 0 else float("inf") for la in draft.hidden_layers]  # -1 = last
-        deepest = depth.index(max(depth))
-        draft.fuse.weight.zero_()
-        draft.fuse.weight[:, deepest * H : (deepest + 1) * H] = eye
-    draft.input_proj.weight[:, :H] = eye
-    draft.input_proj.weight[:, H:].mul_(0.1)
-    if draft.input_proj.bias is not None:
-        draft.input_proj.bias.zero_()
-    draft.layer.self_attn.o_proj.weight.zero_()
-    draft.layer.mlp.down_proj.weight.zero_()

@@ -18,32 +18,29 @@ compute per step. At decode time a shared head also lets all k heads go through 
 Medusa-2 (`medusa2=True`): joint training with a LoRA adapter (peft) on a private copy of
 the target's backbone. The training loop keeps running the frozen original target under
 no-grad; its logits are the teacher for every head AND for the adapted backbone's own
-next-token prediction (`aux_loss` = lm_loss_weight * KL(p_target || p_adapted) over all
-real tokens), which keeps the adapted model's outputs where they were. The heads read the
+next-token prediction (lm_loss_weight * KL(p_target || p_adapted) over all real tokens,
+computed by the training step from `DraftOutput.adapted_logits`: train/step_stats.py),
+which keeps the adapted model's outputs where they were. The heads read the
 adapted hidden state. The copy's frozen base weights are dropped from `state_dict`, so a
 checkpoint holds only the heads and the LoRA matrices. At decode time `merged_target()`
 gives the adapted model (LoRA merged) to verify with; verifying with the original target
 still works (the LoRA is kept close to it) but the heads then read slightly different
 features from the ones they were trained on.
+
+The decoder's drafter (chains and static trees) is decoding/drafters/medusa.py.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoding.drafter import Sampling
-from decoding.verify import sampling_probs
-from models.protocol import DraftOutput, cast_keep_rotary
-from train.losses import forward_kl
-
-if TYPE_CHECKING:
-    from decoding.tree import DraftTree, TreeSpec
-    from train.target import Target, TargetOutput
+from models.dtypes import cast_keep_rotary
+from models.protocol import DraftOutput
+from models.target import Target, TargetOutput
 
 HEAD_INITS = ("shared", "copy")
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -133,7 +130,7 @@ class MedusaHeads(nn.Module):
         target_out: TargetOutput,
         attention_mask: Tensor | None = None,  # [B, T]
     ) -> DraftOutput:
-        aux_loss = None
+        adapted_logits = None
         if self.adapted is None:
             if -1 not in target_out.hidden:
                 raise ValueError(
@@ -145,32 +142,21 @@ class MedusaHeads(nn.Module):
             hidden = self.adapted(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             ).last_hidden_state  # [B, T, H], grads flow into the LoRA matrices
-            own_logits = target.head_logits(hidden.to(target.dtype))  # [B, T, V]
-            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-            vocab = own_logits.shape[-1]
-            lm_kl = forward_kl(
-                own_logits.reshape(-1, vocab),
-                target_out.logits.reshape(-1, vocab),
-                mask.reshape(-1),
-            )
-            aux_loss = self.lm_loss_weight * lm_kl
+            # The adapted model's own next-token logits: the training step adds
+            # lm_loss_weight * KL(p_target || p_adapted) (train/step_stats.py: aux_loss).
+            adapted_logits = target.head_logits(hidden.to(target.dtype))  # [B, T, V]
         logits = self.head_logits(hidden, target)  # K x [B, T, V]
         return DraftOutput(
             logits=logits,
             offsets=[i + 1 for i in range(self.num_heads)],
-            aux_loss=aux_loss,
-            extras={} if aux_loss is None else {"lm_kl": lm_kl.detach()},
+            adapted_logits=adapted_logits,
+            adapted_loss_weight=self.lm_loss_weight if adapted_logits is not None else 0.0,
         )
-
-    def make_drafter(self, target: Target) -> MedusaDrafter:
-        return MedusaDrafter(self, target)
 
     # -- Medusa-2 at decode time --------------------------------------------------
     @torch.no_grad()
     def merged_target(self, target: Target) -> Target:
         """A new Target whose backbone is the adapted one with LoRA merged (Medusa-2 decoding)."""
-        from train.target import Target
-
         if self.adapted is None:
             return target
         model = copy.deepcopy(target.model)
@@ -221,6 +207,7 @@ def from_target(
     """Medusa heads sized from `target`; fresh heads reproduce the target's next-token head."""
     adapted = None
     if medusa2:
+        # peft only for Medusa-2: importing it costs seconds, which Medusa-1 never pays.
         from peft import LoraConfig, inject_adapter_in_model
 
         # A private copy: the loop's target stays frozen and is the teacher for the adapter.
@@ -245,139 +232,3 @@ def from_target(
         lm_loss_weight=lm_loss_weight,
     )
     return heads.to(device=target.device)
-
-
-# ---------------------------------------------------------------------------------
-# Decoding
-# ---------------------------------------------------------------------------------
-
-
-class MedusaDrafter:
-    """Chain and static-tree drafting from Medusa heads (trees: `propose_tree`, docs/tree.md).
-
-    Alignment at the start of a round: the newest token c (`last_tokens`) is known but not
-    yet in the target's cache, so the newest target feature is h_t of the position BEFORE
-    c, whose next token is c. Head i at t predicts x_{t+i+2}: head 0 gives the token after
-    c (d_1), head j-1 gives d_j. The heads never see c itself; that is Medusa's design.
-    After verification the kept positions are [c, d_1..d_n] and the newest one's feature
-    predicts the new correction/bonus token, so it becomes the next round's h_t.
-    """
-
-    hidden_layers = (-1,)
-
-    def __init__(self, heads: MedusaHeads, target: Target):
-        self.heads, self.target = heads, target
-        self.vocab_size = heads.vocab_size  # full target vocabulary (the decoder checks it)
-        self.feature: Tensor | None = None  # [B, H]: last-layer feature before last_tokens
-
-    def prefill(
-        self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
-    ) -> None:
-        # Prompts are left-padded for generation, so position -1 is every row's last token.
-        self.feature = target_out.hidden[-1][:, -1]
-
-    @torch.no_grad()
-    def propose(
-        self,
-        last_tokens: Tensor,  # [B], unused: the heads read h_t only
-        k: int,
-        sampling: Sampling,
-        generator: torch.Generator | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        if self.feature is None:
-            raise RuntimeError("MedusaDrafter.propose called before prefill().")
-        if k < 1:
-            raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
-        # K heads give at most K drafts; the decoder accepts a shorter proposal (adaptive k
-        # may ask for more than K). Train more heads (draft.model.num_heads) for longer chains.
-        k = min(k, self.heads.num_heads)
-        heads = self.heads.head_logits(self.feature, self.target, heads=k)  # k x [B, V]
-        logits = torch.stack(heads, dim=1)  # [B, k, V]
-        if sampling.greedy:
-            return logits.argmax(-1), None
-        q = sampling_probs(logits, sampling)  # [B, k, V], the verifier's own transform
-        batch, _, vocab = q.shape
-        tokens = torch.multinomial(q.reshape(-1, vocab), 1, generator=generator).view(batch, k)
-        return tokens, q
-
-    @torch.no_grad()
-    def propose_tree(
-        self,
-        last_tokens: Tensor,  # [B], unused (as in propose)
-        tree: TreeSpec,
-        sampling: Sampling,
-        generator: torch.Generator | None = None,
-        max_depth: int | None = None,
-    ) -> DraftTree:
-        """A static tree (Medusa "choices", Cartesian over the heads): the node at path
-        (r_1..r_d) holds candidate r_d of head d-1, the same for every parent at that depth.
-        Greedy: candidates = each head's top-k, q = None. Sampling: each head's candidates
-        are drawn WITHOUT replacement from its q (Gumbel top-k), and node r carries q with
-        candidates 0..r-1 removed and renormalised: the exact distribution it was drawn
-        from given its earlier siblings, as tree verification requires (decoding/verify.py)."""
-        from decoding.tree import DraftTree, static_parents, static_tree
-
-        if self.feature is None:
-            raise RuntimeError("MedusaDrafter.propose_tree called before prefill().")
-        if tree.kind != "static":
-            raise ValueError(
-                f"Medusa heads draft static trees (decode.tree.kind=static), got {tree.kind!r}"
-            )
-        depth = min(tree.max_depth, self.heads.num_heads, max_depth or tree.max_depth)
-        paths = static_tree(tuple(p for p in tree.paths if len(p) <= depth))
-        parents = static_parents(paths)
-        ranks = max(p[-1] for p in paths) + 1  # candidates needed per head
-        heads = self.heads.head_logits(self.feature, self.target, heads=depth)
-        logits = torch.stack(heads, dim=1).float()  # [B, D, V]
-        batch, _, vocab = logits.shape
-        if ranks > vocab:
-            raise ValueError(
-                f"tree asks for candidate rank {ranks - 1} of a {vocab}-token vocabulary"
-            )
-        q_nodes = None
-        if sampling.greedy:
-            cand = logits.topk(ranks, dim=-1).indices  # [B, D, R]
-        else:
-            q = sampling_probs(logits, sampling)  # [B, D, V], the verifier's own transform
-            cand, q_rank = _draw_without_replacement(
-                q, logits, ranks, generator
-            )  # [B,D,R], [B,D,R,V]
-        node_depth = torch.tensor([len(p) - 1 for p in paths], device=logits.device)  # head ids
-        node_rank = torch.tensor([p[-1] for p in paths], device=logits.device)
-        tokens = cand[:, node_depth, node_rank]  # [B, N]
-        if not sampling.greedy:
-            q_nodes = q_rank[:, node_depth, node_rank]  # [B, N, V]
-        parent_ids = torch.tensor(parents, device=logits.device).expand(batch, -1)
-        return DraftTree(tokens, parent_ids, q_nodes)
-
-    def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
-        # The newest kept position's feature: its next token is emitted[:, -1].
-        self.feature = target_out.hidden[-1][:, -1]
-
-
-def _draw_without_replacement(
-    q: Tensor,  # [B, D, V] sampling distributions
-    logits: Tensor,  # [B, D, V] raw logits (order of the fallback candidates)
-    ranks: int,
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor]:
-    """R draws without replacement per distribution (Gumbel top-k on log q) -> tokens
-    [B, D, R] and, per draw, the distribution it came from given the earlier draws
-    [B, D, R, V] (q minus earlier draws, renormalised). Once q's support is used up (top-k /
-    top-p), the remaining candidates are the next tokens by logit, a deterministic choice:
-    their distribution is their one-hot."""
-    gumbel = -torch.empty_like(q).exponential_(generator=generator).log()
-    keys = torch.where(q > 0, q.log() + gumbel, float("-inf"))
-    drawn = keys.topk(ranks, dim=-1).indices  # [B, D, R]; invalid past the support
-    support = (q > 0).sum(-1, keepdim=True)  # [B, D, 1]
-    rank = torch.arange(ranks, device=q.device)
-    fallback = logits.masked_fill(q > 0, float("-inf")).topk(ranks, dim=-1).indices
-    late = rank >= support  # [B, D, R] draws past the support
-    fallback = fallback.gather(-1, (rank - support).clamp_min(0))
-    tokens = torch.where(late, fallback, drawn)
-    earlier = F.one_hot(tokens, q.shape[-1]).cumsum(2) - F.one_hot(tokens, q.shape[-1])
-    remaining = q[:, :, None] * (earlier == 0)  # [B, D, R, V]
-    mass = remaining.sum(-1, keepdim=True)
-    own = F.one_hot(tokens, q.shape[-1]).to(q.dtype)
-    q_rank = torch.where(late[..., None], own, remaining / mass.clamp_min(1e-30))
-    return tokens, q_rank

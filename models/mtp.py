@@ -1,4 +1,4 @@
-"""DeepSeek-V3-style multi-token prediction (MTP) heads as a draft, and their chain drafter.
+"""DeepSeek-V3-style multi-token prediction (MTP) heads as a draft.
 
 D sequential modules on top of the frozen target. Module d (1-based) at position t:
 
@@ -10,17 +10,15 @@ Embedding and output head are the target's (frozen, read from `target` at call t
 stored here). Depth d at position t pairs with the target's distribution at t + d, so
 `DraftOutput.offsets = [1, ..., D]` (models/protocol.py).
 
-Drafting (MTPDrafter): with the newest target feature at position P and the newest token
-x_{P+1}, draft j <= D comes from module j at position P; for j > D (when `recursive_last`)
-module D runs again at position P + j - D, fed its own previous output h^D in place of
-h^{D-1} (what serving engines do to get more tokens than modules; never trained, so expect
-lower acceptance there). Each module keeps its own KV cache over t, rolled back at commit to
-the entries whose inputs were all committed tokens.
+Drafting (decoding/drafters/mtp.py): with the newest target feature at position P and the
+newest token x_{P+1}, draft j <= D comes from module j at position P; for j > D (when
+`recursive_last`) module D runs again at position P + j - D, fed its own previous output h^D
+in place of h^{D-1} (what serving engines do to get more tokens than modules; never trained,
+so expect lower acceptance there). Each module keeps its own KV cache over t, rolled back at
+commit to the entries whose inputs were all committed tokens.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +30,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from decoding.drafter import Sampling
-from decoding.verify import sampling_probs
 from models.protocol import DraftOutput
-
-if TYPE_CHECKING:
-    from train.target import Target, TargetOutput
+from models.target import Target, TargetOutput
 
 
 class MTPModule(nn.Module):
@@ -110,7 +104,7 @@ class MTP(nn.Module):
         )
         self.depths = nn.ModuleList(MTPModule(self.block_config) for _ in range(num_depths))
         # inv_freq is a non-persistent buffer that follows .to(device); decoding copies are
-        # cast with models.protocol.cast_keep_rotary, which keeps it float32 (a bare
+        # cast with models.dtypes.cast_keep_rotary, which keeps it float32 (a bare
         # .to(bfloat16) would round it and shift every rotary angle).
         self.rotary = LlamaRotaryEmbedding(self.block_config)
 
@@ -136,7 +130,7 @@ class MTP(nn.Module):
             # Causal attention alone is exact for right padding (real tokens never see the pads);
             # left padding would let real positions attend to pads.
             raise ValueError(
-                "MTP training expects right-padded batches (train.data.collate pads right)."
+                "MTP training expects right-padded batches (train.data.prepare.collate pads right)."
             )
         if -1 not in target_out.hidden:
             raise ValueError(
@@ -155,9 +149,6 @@ class MTP(nn.Module):
             padded = torch.cat([hidden, hidden.new_zeros(B, d, hidden.shape[-1])], dim=1)
             logits.append(self.head(target, module, padded))  # [B, T, V]
         return DraftOutput(logits=logits, offsets=list(range(1, self.num_depths + 1)))
-
-    def make_drafter(self, target: Target) -> MTPDrafter:
-        return MTPDrafter(self, target)
 
 
 def from_target(
@@ -198,145 +189,3 @@ def from_target(
         for module in model.depths:
             module.final_norm.weight.copy_(target.final_norm_weight)
     return model.to(device=target.device)
-
-
-# ---------------------------------------------------------------------------------
-# Drafting
-# ---------------------------------------------------------------------------------
-
-
-class MTPDrafter:
-    """Chain drafter over an MTP draft (the Drafter protocol in decoding/drafter.py).
-
-    State, for a committed sequence x_0..x_{N-1} with the target's features h^0_0..h^0_{N-1}:
-      tokens [B, N]; features[0] = h^0 [B, N, H];
-      features[d] [B, n_d, H] = module d's outputs at positions 0..n_d-1, where n_d is also the
-      length of caches[d-1] (entries are appended and cropped together).
-    propose() first brings module d up to date on the positions it has not seen, then drafts.
-    """
-
-    hidden_layers: tuple[int, ...] = (-1,)
-
-    def __init__(self, model: MTP, target: Target):
-        if model.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"MTP draft built for a vocabulary of {model.vocab_size}, target has "
-                f"{target.vocab_size}: build the draft from this target (models.mtp.from_target)."
-            )
-        self.model = model
-        self.target = target
-        self.num_depths = model.num_depths
-        self.vocab_size = target.vocab_size
-
-    @torch.no_grad()
-    def prefill(
-        self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
-    ) -> None:
-        """`attention_mask` [B, T] (1 = real) when the decoder left-padded the prompts."""
-        B, N = input_ids.shape
-        # Left padding: row b's real tokens start at index pads[b]; position ids count real
-        # tokens only (as the decoder does for the target) and pad entries are never attended.
-        if attention_mask is None:
-            self.pads = torch.zeros(B, dtype=torch.long, device=input_ids.device)
-        else:
-            self.pads = (attention_mask == 0).long().sum(-1).to(input_ids.device)  # [B]
-        hidden = target_out.hidden[-1].to(self.model.depths[0].proj.weight.dtype)  # [B, N, H]
-        self.tokens = input_ids
-        self.features = [hidden] + [hidden.new_zeros(B, 0, hidden.shape[-1])] * self.num_depths
-        self.caches = [DynamicCache() for _ in range(self.num_depths)]
-        self._pending: tuple[Tensor, Tensor] | None = None  # (last_tokens [B], drafts [B, k])
-
-    def _run(self, depth: int, prev_hidden: Tensor, token_ids: Tensor, start: int) -> Tensor:
-        """Module `depth` over positions start..start+L-1 with its cache; returns its h [B, L, H]."""
-        module = self.model.depths[depth - 1]
-        cache = self.caches[depth - 1]
-        if cache.get_seq_length() != start:
-            raise RuntimeError(
-                f"MTP depth {depth}: cache holds {cache.get_seq_length()} positions, expected {start}."
-            )
-        L = prev_hidden.shape[1]
-        q_idx = torch.arange(start, start + L, device=prev_hidden.device)  # [L] sequence index
-        positions = (q_idx[None, :] - self.pads[:, None]).clamp_min(0)  # [B, L]
-        cos_sin = self.model.rotary(prev_hidden, positions)
-        mask = None  # unpadded single query: it attends to the whole cache
-        if L > 1 or bool(self.pads.any()):
-            # sdpa's is_causal is top-left aligned, wrong beside a cache: spell the mask out.
-            k_idx = torch.arange(start + L, device=prev_hidden.device)  # [kv]
-            causal = k_idx[None, :] <= q_idx[:, None]  # [L, kv]
-            real = k_idx[None, :] >= self.pads[:, None]  # [B, kv]
-            diag = k_idx[None, :] == q_idx[:, None]  # a pad query sees itself: no empty rows
-            mask = ((causal[None] & real[:, None]) | diag[None])[:, None]  # [B, 1, L, kv]
-        embeds = self.target.embed_tokens(token_ids).to(prev_hidden.dtype)  # [B, L, H]
-        hidden = module(prev_hidden, embeds, cos_sin, attention_mask=mask, cache=cache)
-        self.features[depth] = torch.cat([self.features[depth], hidden], dim=1)
-        return hidden
-
-    def _sample(
-        self, depth: int, hidden: Tensor, sampling: Sampling, generator
-    ) -> tuple[Tensor, Tensor | None]:
-        logits = self.model.head(self.target, self.model.depths[depth - 1], hidden)  # [B, V]
-        if sampling.greedy:
-            return logits.argmax(-1), None
-        probs = sampling_probs(logits, sampling)  # [B, V], the verifier's transform of p
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
-
-    @torch.no_grad()
-    def propose(
-        self, last_tokens: Tensor, k: int, sampling: Sampling, generator=None
-    ) -> tuple[Tensor, Tensor | None]:
-        D = self.num_depths
-        if k > D and not self.model.recursive_last:
-            raise ValueError(
-                f"k={k} drafts but the MTP draft has {D} modules and recursive_last=false: "
-                f"decode with k <= {D}, or set draft.model.recursive_last=true."
-            )
-        seq = torch.cat([self.tokens, last_tokens[:, None]], dim=1)  # [B, N+1] x_0..x_N
-        P = self.tokens.shape[1] - 1  # newest position with a target feature
-        drafts, probs = [], []
-        for j in range(1, k + 1):
-            if j <= D:  # module j at positions n_j..P (catch-up + the draft position P)
-                start = self.caches[j - 1].get_seq_length()
-                prev = self.features[j - 1][:, start : P + 1]  # [B, P+1-start, H]
-                hidden = self._run(j, prev, seq[:, start + j : P + j + 1], start)[:, -1]
-                token, q = self._sample(j, hidden, sampling, generator)
-            else:  # module D again at position P+j-D, its own last output standing in for h^{D-1}
-                start = P + j - D
-                prev = self.features[D][:, -1:]  # [B, 1, H]
-                hidden = self._run(D, prev, seq[:, P + j : P + j + 1], start)[:, -1]
-                token, q = self._sample(D, hidden, sampling, generator)
-            drafts.append(token)
-            probs.append(q)
-            seq = torch.cat([seq, token[:, None]], dim=1)  # x_{P+j+1} = d_j
-        drafts_t = torch.stack(drafts, dim=1)  # [B, k]
-        self._pending = (last_tokens, drafts_t)
-        return drafts_t, None if sampling.greedy else torch.stack(probs, dim=1)  # [B, k, V]
-
-    @torch.no_grad()
-    def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
-        if self._pending is None:
-            raise RuntimeError("MTPDrafter.commit called without a propose before it.")
-        last_tokens, drafts = self._pending
-        self._pending = None
-        n = num_accepted
-        if emitted.shape[1] != n + 1 or target_out.hidden[-1].shape[1] != n + 1:
-            raise ValueError(
-                f"commit(num_accepted={n}) needs emitted and target_out over n+1={n + 1} positions; "
-                f"got {emitted.shape[1]} and {target_out.hidden[-1].shape[1]}."
-            )
-        if not torch.equal(emitted[:, :n], drafts[:, :n]):
-            raise ValueError(
-                "commit: the first num_accepted emitted tokens must be the accepted drafts."
-            )
-        N_old = self.tokens.shape[1]
-        self.tokens = torch.cat([self.tokens, last_tokens[:, None], emitted[:, :n]], dim=1)
-        new_feats = target_out.hidden[-1].to(self.features[0].dtype)  # [B, n+1, H]
-        self.features[0] = torch.cat([self.features[0], new_feats], dim=1)
-        N_new = self.tokens.shape[1]  # = N_old + n + 1; emitted[:, n] is the next last_tokens
-        for d in range(1, self.num_depths + 1):
-            # Keep entries whose inputs were all committed: token x_{t+d} is committed for
-            # t + d <= N_old + n, and positions >= N_old were recursive (not h^{d-1}) entries.
-            keep = min(self.caches[d - 1].get_seq_length(), N_new - d, N_old)
-            drop = self.caches[d - 1].get_seq_length() - keep
-            if drop > 0:
-                self.caches[d - 1].crop(-drop)
-                self.features[d] = self.features[d][:, :keep]

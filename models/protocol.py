@@ -8,21 +8,20 @@ Alignment convention (the one place off-by-ones are decided):
 The training loop drops positions where `t + offset >= T` and applies the loss mask at
 `t + offset` (1 where x_{t+offset+1} is an assistant token).
 
-Casting a draft or a target for decoding goes through `cast_keep_rotary`, never a bare
-`.to(dtype)`: the rotary frequencies must stay float32 (see there).
+The decoder's adapter for each draft kind lives in decoding/drafters/ (`make_drafter`),
+above this layer. Casting a draft or a target for decoding goes through
+`models.dtypes.cast_keep_rotary`, never a bare `.to(dtype)`: the rotary frequencies must
+stay float32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-if TYPE_CHECKING:
-    from decoding.drafter import Drafter
-    from train.target import Target, TargetOutput
+from models.target import Target, TargetOutput
 
 
 @dataclass
@@ -34,6 +33,11 @@ class DraftOutput:
     # The loss renormalises the target distribution over these ids; the logged acceptance
     # proxy and top-1 use the full-vocabulary target, as the decoder does.
     vocab_ids: Tensor | None = None  # [V_draft] long
+    # A draft that adapts the target (Medusa-2's LoRA): the adapted model's own next-token
+    # logits [B, T, V] and the weight of its LM loss, weight * KL(p_target || p_adapted)
+    # over real tokens, which the training step computes (train/step_stats.py: aux_loss).
+    adapted_logits: Tensor | None = None
+    adapted_loss_weight: float = 0.0
     extras: dict[str, Tensor] = field(default_factory=dict)  # anything worth logging
 
 
@@ -57,25 +61,3 @@ class DraftModel(Protocol):
         hold only trained weights, and a bf16 copy of the draft can pair with a bf16
         copy of the target for evaluation."""
         ...
-
-    def make_drafter(self, target: Target) -> Drafter:
-        """An inference adapter for the shared decoder, sharing this module's weights and
-        taking frozen pieces from `target` (which may be a bf16 copy used for decoding)."""
-        ...
-
-
-def cast_keep_rotary(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`module.to(dtype)` in place, except that rotary frequency buffers stay float32.
-
-    nn.Module.to casts floating buffers too, and a bf16 inv_freq moves every rotary angle
-    (SmolLM2: 0.6978 -> 0.6992): the cast model is then neither the one trained on nor the
-    one `from_pretrained(dtype=torch.bfloat16)` builds (HF computes inv_freq in float32).
-    A buffer already rounded by an earlier bare `.to(dtype)` stays rounded. Returns `module`.
-    """
-    # HF rotary embeddings: inv_freq, original_inv_freq; Gemma 3: full_attention_inv_freq, ...
-    rotary = {name: buf for name, buf in module.named_buffers() if name.endswith("inv_freq")}
-    module.to(dtype)
-    for name, buf in rotary.items():
-        owner, _, leaf = name.rpartition(".")
-        setattr(module.get_submodule(owner), leaf, buf.float())
-    return module

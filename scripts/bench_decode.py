@@ -1,4 +1,6 @@
-"""Benchmark our decoder against transformers on the same target, prompts and settings.
+"""Benchmark our decoder against transformers (one script of over 400 lines: every part serves it).
+
+Same target, prompts and settings for every row.
 
 Rows (batch 1, one process):
   hf_generate       transformers `generate`, plain
@@ -51,11 +53,17 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decoding.drafter import Drafter, Sampling  # noqa: E402
-from decoding.drafters import DraftLMDrafter, NgramDrafter  # noqa: E402
+from decoding.drafters import make_drafter  # noqa: E402
+from decoding.drafters.draft_lm import DraftLMDrafter  # noqa: E402
+from decoding.drafters.ngram import NgramDrafter  # noqa: E402
 from decoding.metrics import greedy_match  # noqa: E402
 from decoding.spec import generate  # noqa: E402
 from decoding.tree import TreeSpec  # noqa: E402
-from train.target import Target, build_tiny_random, load_smollm2, resolve_dtype  # noqa: E402
+from models import eagle, medusa  # noqa: E402
+from models.dtypes import resolve_dtype  # noqa: E402
+from models.target import Target  # noqa: E402
+from models.target_loaders import build_tiny_random, load_smollm2  # noqa: E402
+from train.checkpoint import load_draft  # noqa: E402
 
 PROMPTS = [  # code / prose / qa, with some text to copy so prompt lookup has a chance
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
@@ -102,15 +110,11 @@ def load_heads(kind: str, path: str, target: Target) -> torch.nn.Module:
     """A trained Medusa / EAGLE draft from a checkpoint dir (or untrained: 'fresh'), in the
     target's dtype and device."""
     if path == "fresh":
-        from models import eagle, medusa
-
         if kind == "medusa":
             model = medusa.from_target(target)
         else:  # full vocabulary: a reduced one needs the training data's token counts
             model = eagle.from_target(target, None, vocab_size="full")
     else:
-        from train.checkpoint import load_draft
-
         model = load_draft(path, target)
     return model.to(device=target.device, dtype=target.dtype).eval()
 
@@ -322,11 +326,11 @@ def bench(
         methods = {m: fn for m, fn in methods.items() if m in {"hf_generate", "ours_ar", *keep}}
     heads, trees = heads or {}, trees or {}
     if "medusa" in heads:
-        methods["ours_medusa_chain"] = ours(heads["medusa"].make_drafter(target))
-        methods["ours_medusa_static"] = ours(heads["medusa"].make_drafter(target), trees["static"])
+        methods["ours_medusa_chain"] = ours(make_drafter(heads["medusa"], target))
+        methods["ours_medusa_static"] = ours(make_drafter(heads["medusa"], target), trees["static"])
     if "eagle" in heads:
-        methods["ours_eagle_chain"] = ours(heads["eagle"].make_drafter(target))
-        methods["ours_eagle_dynamic"] = ours(heads["eagle"].make_drafter(target), trees["dynamic"])
+        methods["ours_eagle_chain"] = ours(make_drafter(heads["eagle"], target))
+        methods["ours_eagle_dynamic"] = ours(make_drafter(heads["eagle"], target), trees["dynamic"])
     draft.generation_config.update(
         num_assistant_tokens=k,
         num_assistant_tokens_schedule="constant",

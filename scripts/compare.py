@@ -6,19 +6,49 @@
 
 Writes <out>/comparison.md (also printed), comparison.json, tau_vs_step.png,
 acceptance_per_position.png and proxy_vs_measured.png. No network: only the run
-directories' config.yaml, summary.json and metrics.jsonl are read. The logic lives in
-train/report.py (shared with notebooks/acceptance.ipynb); docs/compare.md explains it.
+directories' config.yaml, summary.json and metrics.jsonl are read. The grouping, the
+statistics, the table and the plots live in train/report/ (shared with
+notebooks/acceptance.ipynb); docs/compare.md explains them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")  # files only (before pyplot loads); the notebook keeps its inline backend
+import matplotlib.pyplot as plt  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-from train.report import find_runs, group_keys, write_report  # noqa: E402
+from train.report.plots import PLOTS  # noqa: E402
+from train.report.runs import Run, find_runs, group_keys, group_runs, summarize_group  # noqa: E402
+from train.report.tables import markdown_table  # noqa: E402
+
+
+def write_report(runs: list[Run], out_dir: str | Path, keys: list[str] | None = None) -> dict:
+    """comparison.md, comparison.json and the PNGs of PLOTS into out_dir -> the JSON dict."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    keys = group_keys(runs) if keys is None else keys
+    groups = group_runs(runs, keys)
+    table = markdown_table(groups, keys)
+    (out / "comparison.md").write_text(f"# Run comparison ({len(runs)} runs)\n\n{table}")
+    report = {"group_keys": keys, "groups": [summarize_group(g) for g in groups]}
+    (out / "comparison.json").write_text(json.dumps(report, indent=2, default=str))
+    for name, plot in PLOTS.items():
+        fig = plot(groups)
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+    return {
+        **report,
+        "table": table,
+        "files": [str(out / n) for n in ("comparison.md", "comparison.json", *PLOTS)],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,9 +13,9 @@ exactly (same τ, α_i, acceptance histogram; only the timings, tokens/s and spe
 both go through train.evaluate.evaluate_checkpoint, and the output has its keys
 ("greedy/tau", "T0.7/alpha", ..., defined in docs/design.md), without the training proxy's.
 
-Prompts: by default the run's held-out eval prompts, rebuilt by train.data.prepare_data from
-the run's data config (it reads the run's regeneration cache; a missing cache means the
-training prompts are answered again first). `--prompts FILE.jsonl` takes one JSON object per
+Prompts: by default the run's held-out eval prompts, rebuilt by
+train.data.prepare.prepare_data from the run's data config (it reads the run's regeneration
+cache; a missing cache means the training prompts are answered again first). `--prompts FILE.jsonl` takes one JSON object per
 line with a "prompt" string instead, rendered as one user turn with the run's chat template
 (data.chat_template) and the generation prompt, as the eval prompts are.
 
@@ -40,11 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
 
 from decoding.drafter import Sampling  # noqa: E402
-from decoding.spec import check_inputs  # noqa: E402
+from decoding.rounds import check_inputs  # noqa: E402
+from models.dtypes import resolve_dtype  # noqa: E402
+from models.target import Target  # noqa: E402
 from train.checkpoint import PREFIX, latest_checkpoint, load_draft  # noqa: E402
-from train.data import prepare_data, resolve_chat_template, tokenize_conversation  # noqa: E402
+from train.data.chat import resolve_chat_template, tokenize_conversation  # noqa: E402
+from train.data.prepare import prepare_data  # noqa: E402
 from train.evaluate import evaluate_checkpoint, format_eval_table  # noqa: E402
-from train.target import Target, resolve_dtype  # noqa: E402
 
 TREE_SHORTHANDS = {"static": "tree_static", "dynamic": "tree_dynamic"}
 
@@ -98,6 +100,9 @@ def run_config(run_dir: Path, args: argparse.Namespace) -> DictConfig:
     """The run's resolved config with the command line's decode/target overrides applied:
     what train.evaluate.evaluate_checkpoint reads (cfg.decode, cfg.seed)."""
     cfg = OmegaConf.load(run_dir / "config.yaml")
+    loader = str(cfg.target.get("_target_", ""))
+    if loader.startswith("train.target."):  # runs written before the loaders moved to models/
+        cfg.target._target_ = "models.target_loaders." + loader.removeprefix("train.target.")
     dec = cfg.decode
     for key, value in [
         ("k", args.k),
@@ -115,7 +120,7 @@ def run_config(run_dir: Path, args: argparse.Namespace) -> DictConfig:
         dec.tree = tree_node(args.tree)
     if args.target_path is not None:
         cfg.target = {
-            "_target_": "train.target.load_hf_target",
+            "_target_": "models.target_loaders.load_hf_target",
             "path": args.target_path,
             "dtype": cfg.target.get("dtype", "float32"),
             "device": cfg.target.get("device", "auto"),
@@ -259,7 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
         eval_prompts = load_prompts(args.prompts, target, cfg.data.get("chat_template"))
         source = str(args.prompts)
     else:
-        progress(f"eval prompts of data.source={cfg.data.source!r} (train.data.prepare_data)")
+        progress(
+            f"eval prompts of data.source={cfg.data.source!r} (train.data.prepare.prepare_data)"
+        )
         data = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
         eval_prompts = data.eval_prompts
         source = "the run's eval split"

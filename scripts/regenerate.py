@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from train.data import prepare_data  # noqa: E402
+from train.data.prepare import prepare_data  # noqa: E402
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 @pytest.fixture
 def tiny_target():
-    from train.target import build_tiny_random
+    from models.target_loaders import build_tiny_random
 
     return build_tiny_random(seed=0, device="cpu")
 

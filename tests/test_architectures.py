@@ -16,10 +16,12 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from decoding.drafters import make_drafter
 from decoding.spec import generate
 from decoding.tree import TreeSpec, generate_tree, tree_attention_mask
-from train.target import Target, build_tiny_random
-from train.tiny_tokenizer import build_char_tokenizer
+from models.target import Target
+from models.target_loaders import build_tiny_random
+from models.tiny_tokenizer import build_char_tokenizer
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SMALL = {
@@ -167,7 +169,7 @@ def test_pipeline_on_other_architectures(tmp_path, data_dir, arch, kind):
     from hydra.utils import instantiate
 
     from train.checkpoint import load_draft
-    from train.data import resolve_chat_template
+    from train.data.chat import resolve_chat_template
     from train.loop import run
 
     overrides, tree_kind = KINDS[kind]
@@ -196,7 +198,7 @@ def test_pipeline_on_other_architectures(tmp_path, data_dir, arch, kind):
     if arch == "gemma3":  # the sliding layers' window is passed during decoding
         assert prompt.shape[1] > 3 * target.config.sliding_window
     want = target.model.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1] :]
-    drafter = draft.make_drafter(target)
+    drafter = make_drafter(draft, target)
     chain = generate(target, prompt, drafter, k=3, max_new_tokens=16)
     assert chain.sequences[0] == want.tolist()  # lossless: the model's own greedy output
     if tree_kind is not None:

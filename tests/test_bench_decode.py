@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from decoding.drafter import Sampling
-from decoding.drafters import DraftLMDrafter, NgramDrafter
-from train.target import build_tiny_random
+from decoding.drafters.draft_lm import DraftLMDrafter
+from decoding.drafters.ngram import NgramDrafter
+from models.target_loaders import build_tiny_random
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
 spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)

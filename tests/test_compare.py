@@ -17,17 +17,17 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from scipy import stats as scipy_stats
 
-from train.report import (
+from train.report.runs import (
     find_runs,
     group_keys,
     group_runs,
     load_run,
-    markdown_table,
     mean_ci,
     summarize_group,
     t_quantile_975,
 )
-from train.tracking import wandb_run_settings, wandb_summary
+from train.report.tables import markdown_table
+from train.report.tracking import wandb_run_settings, wandb_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANT = "train.ckpt_every=2,train.steps=4"  # the sweep's non-swept overrides, as in run_dir
@@ -46,7 +46,7 @@ def sweep(tmp_path_factory) -> Path:
 
 
 def _ci95(values: list[float]) -> tuple[float, float]:
-    """Reference t-interval from scipy, independent of train/report.py."""
+    """Reference t-interval from scipy, independent of train/report/runs.py."""
     n = len(values)
     half = scipy_stats.t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
     return statistics.fmean(values), half

@@ -17,6 +17,8 @@ from train.settings import check_settings
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# The experiments and the shared blocks they include (conf/experiment/base/).
+EXPERIMENT_FILES = sorted((CONF / "experiment").rglob("*.yaml"))
 
 
 def _compose(*overrides: str):
@@ -79,14 +81,15 @@ def test_unknown_experiment_lists_the_available_ones():
     assert EXPERIMENTS[0] in proc.stderr
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_sets_only_known_train_and_decode_keys(name):
+@pytest.mark.parametrize("path", EXPERIMENT_FILES, ids=lambda p: p.stem)
+def test_experiment_sets_only_known_train_and_decode_keys(path):
     # Hydra accepts new keys silently; a misspelt or retired key would simply do nothing.
+    assert path.read_text().startswith("# @package _global_"), path
     base = OmegaConf.load(CONF / "train.yaml")
     decode_keys = {k for f in (CONF / "decode").glob("*.yaml") for k in OmegaConf.load(f)}
-    exp = OmegaConf.load(CONF / "experiment" / f"{name}.yaml")
-    assert set(exp.get("train", {}).keys()) <= set(base.train.keys()), name
-    assert set(exp.get("decode", {}).keys()) <= decode_keys, name
+    exp = OmegaConf.load(path)
+    assert set(exp.get("train", {}).keys()) <= set(base.train.keys()), path
+    assert set(exp.get("decode", {}).keys()) <= decode_keys, path
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -1,6 +1,5 @@
-"""Data pipeline: assistant-only masks on real templates, held-out eval prompts,
-target-regenerated answers (equal to the target's greedy output), resumable cache,
-local ShareGPT/OpenAI sources, clear errors."""
+"""Data pipeline: assistant-only masks on real templates, held-out eval prompts, local
+ShareGPT/OpenAI sources, clear errors. Regeneration and its cache: tests/test_regenerate.py."""
 
 import inspect
 import json
@@ -10,16 +9,9 @@ import datasets
 import pytest
 import torch
 
-from train.corpus import embedded_conversations, held_out, parse_speeches
-from train.data import (
-    CHAT_TEMPLATES,
-    collate,
-    prepare_data,
-    resolve_chat_template,
-    shift_mask,
-    tokenize_conversation,
-)
-from train.regenerate import regenerate
+from train.data.chat import CHAT_TEMPLATES, resolve_chat_template, shift_mask, tokenize_conversation
+from train.data.corpus import embedded_conversations, held_out, parse_speeches
+from train.data.prepare import collate, prepare_data
 
 CONV = [
     {"role": "system", "content": "Be brief."},
@@ -37,7 +29,7 @@ def trained_text(tokenizer, ids: list[int], loss_mask: list[int]) -> str:
 
 @pytest.fixture(scope="module")
 def tiny():
-    from train.target import build_tiny_random
+    from models.target_loaders import build_tiny_random
 
     return build_tiny_random(seed=0, device="cpu")
 
@@ -46,7 +38,7 @@ def tiny():
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from train.target import DEFAULT_CACHE_DIR, smollm2_gguf_path
+    from models.target_loaders import DEFAULT_CACHE_DIR, smollm2_gguf_path
 
     converted = DEFAULT_CACHE_DIR / "smollm2-135m-instruct"
     if (converted / "tokenizer_config.json").is_file():
@@ -109,7 +101,7 @@ def base_tokenizer(adds_bos: bool):
     of plain text, as Llama's and Gemma's tokenizers do."""
     from tokenizers.processors import TemplateProcessing
 
-    from train.tiny_tokenizer import build_char_tokenizer
+    from models.tiny_tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(128, chat_template=False)
     if adds_bos:
@@ -139,7 +131,7 @@ def test_plain_template_trains_the_answers_of_a_base_model(adds_bos):
 
 
 def test_chat_template_presets_and_strings(tiny):
-    from train.tiny_tokenizer import CHATML_TEMPLATE
+    from models.tiny_tokenizer import CHATML_TEMPLATE
 
     tok = tiny.tokenizer
     assert resolve_chat_template(tok, None) == tok.chat_template
@@ -155,7 +147,7 @@ def test_chat_template_presets_and_strings(tiny):
 def test_one_template_for_regeneration_masks_and_eval_prompts(tmp_path):
     """A base model (no template) with data.chat_template=plain: the prompts the target
     answers, the trained rows and the eval prompts all use the plain template."""
-    from train.target import build_tiny_random
+    from models.target_loaders import build_tiny_random
 
     base = build_tiny_random(seed=0, chat_template=False, device="cpu")
     src = write_rows(tmp_path / "c.jsonl", [openai(i, f"answer {i}") for i in range(5)])
@@ -254,9 +246,6 @@ def test_token_counts_and_lengths(tiny, tiny_embedded):
     assert data.stats["train_rows"] == len(data.train) == 24
 
 
-# -- regeneration -------------------------------------------------------------------
-
-
 def greedy(target, prompt: list[int], n: int) -> list[int]:
     """Reference: plain argmax decoding through the Target wrapper, no cache, no batch."""
     ids = list(prompt)
@@ -266,66 +255,6 @@ def greedy(target, prompt: list[int], n: int) -> list[int]:
         if nxt in target.eos_token_ids:
             break
     return ids[len(prompt) :]
-
-
-def test_regenerated_answers_are_the_targets_greedy_output(tiny, tmp_path):
-    rows = [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"}]}
-        for q in ("Hi", "What is 2+2?", "Name a colour, please.")
-    ]
-    src = write_rows(tmp_path / "chats.jsonl", rows)
-    data = prepare_data(
-        tiny,
-        source=str(src),
-        num_eval=0,
-        max_new_tokens=12,
-        max_len=256,
-        regen_dtype="float32",
-        regen_batch_size=3,
-        cache_dir=str(tmp_path),
-        progress=False,
-    )
-    assert data.stats["regen"]["generated"] == 3
-    for ids, mask in zip(data.train["input_ids"], data.train["loss_mask"], strict=True):
-        start = mask.index(1) + 1  # first answer token
-        assert tiny.tokenizer.decode(ids[:start]).endswith("<|im_start|>assistant\n")
-        assert ids[start:] == greedy(tiny, ids[:start], 12)
-        assert sum(mask) == len(ids) - start  # every answer token trained, prompt not
-
-
-def test_regeneration_cache_resumes_and_is_keyed_by_settings(tiny, tmp_path):
-    tok = tiny.tokenizer
-    prompts = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
-            )
-        )
-        for q in ("a", "bb", "ccc")
-    ]
-    kw = {
-        "max_new_tokens": 5,
-        "dtype": "float32",
-        "batch_size": 2,
-        "cache_dir": tmp_path,
-        "progress": False,
-    }
-    first, s1 = regenerate(tiny, prompts[:2], **kw)
-    assert (s1["cached"], s1["generated"]) == (0, 2)
-    with open(s1["cache"], "a") as f:
-        f.write('{"prompt": "cut short by a cra')  # a crash mid-write
-    again, s2 = regenerate(tiny, prompts, **kw)
-    assert (s2["cached"], s2["generated"]) == (2, 1)
-    assert again[:2] == first
-    assert regenerate(tiny, prompts, **kw)[1]["generated"] == 0
-    other = regenerate(tiny, prompts[:1], **{**kw, "max_new_tokens": 3})[1]
-    assert other["generated"] == 1 and other["cache"] != s1["cache"]
-    # The template the prompts were rendered with is part of the key (data.chat_template).
-    assert regenerate(tiny, prompts, **kw, chat_template=tok.chat_template)[1]["generated"] == 0
-    plain = regenerate(tiny, prompts[:1], **kw, chat_template=CHAT_TEMPLATES["plain"])[1]
-    assert plain["generated"] == 1 and plain["cache"] != s1["cache"]
-    for r in again:
-        assert len(r["ids"]) <= 5 and r["finished"] == (r["ids"][-1] in tiny.eos_token_ids)
 
 
 # -- local sources ------------------------------------------------------------------

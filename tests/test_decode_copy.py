@@ -12,8 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from models.target import Target
+from models.target_loaders import build_tiny_random
 from train.evaluate import decode_copy, draft_decode_copy, evaluate_checkpoint
-from train.target import Target, build_tiny_random
 
 BF16 = torch.bfloat16
 

@@ -5,11 +5,13 @@ import pytest
 import torch
 
 from decoding.drafter import Sampling
+from decoding.drafters import make_drafter
 from decoding.spec import generate
-from models.eagle import EagleDraft, build_vocab_map, from_target
+from models.eagle import EagleDraft, from_target
+from models.eagle_init import build_vocab_map
 from models.protocol import DraftOutput
+from models.target import TargetOutput
 from train.losses import forward_kl
-from train.target import TargetOutput
 
 torch.set_num_threads(1)
 
@@ -143,7 +145,7 @@ def test_every_ttt_step_equals_the_drafters_draft(tiny_target, style, vocab_size
     V = tiny_target.vocab_size
     draft_ids = torch.arange(V) if draft.vocab_ids() is None else draft.vocab_ids()  # [V_draft]
     layers = draft.hidden_layers
-    drafter = draft.make_drafter(tiny_target)
+    drafter = make_drafter(draft, tiny_target)
     sampling = Sampling(temperature=1.0)
     gen, rng = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
     committed = torch.randint(6, V, (2, 5), generator=rng)  # [B, N] verified, features known
@@ -214,7 +216,7 @@ def test_reduced_vocab_without_mapping_is_refused(tiny_target):
     with pytest.raises(ValueError, match="token_counts"):
         draft(tiny_target, ids, out)
     with pytest.raises(ValueError, match="d2t/t2d"):
-        draft.make_drafter(tiny_target)
+        make_drafter(draft, tiny_target)
     bad = draft.state_dict()
     bad["t2d"] = torch.zeros_like(bad["t2d"])  # a checkpoint with a broken mapping
     with pytest.raises(ValueError, match="d2t/t2d"):
@@ -226,7 +228,7 @@ def test_reduced_vocab_without_mapping_is_refused(tiny_target):
 @pytest.mark.parametrize("style", ["eagle1", "eagle3"])
 def test_drafter_greedy_equals_target_greedy(tiny_target, style):
     draft = _build(tiny_target, style)
-    drafter = draft.make_drafter(tiny_target)
+    drafter = make_drafter(draft, tiny_target)
     ids = torch.randint(
         6, tiny_target.vocab_size, (1, 10), generator=torch.Generator().manual_seed(4)
     )
@@ -249,7 +251,7 @@ def test_drafter_greedy_equals_target_greedy(tiny_target, style):
 
 def test_sampled_q_lives_on_draft_vocab(tiny_target):
     draft = _build(tiny_target, "eagle3")
-    drafter = draft.make_drafter(tiny_target)
+    drafter = make_drafter(draft, tiny_target)
     ids = torch.randint(
         6, tiny_target.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)
     )
@@ -288,7 +290,7 @@ def test_overfit_reaches_tau_near_k_plus_1(tiny_target):
     res = generate(
         tiny_target,
         prompt,
-        draft.make_drafter(tiny_target),
+        make_drafter(draft, tiny_target),
         k=k,
         max_new_tokens=40,
         eos_token_ids=[],

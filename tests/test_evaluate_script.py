@@ -1,6 +1,7 @@
 """scripts/evaluate.py on a tiny run: it reproduces the run's own final evaluation exactly,
 renders jsonl prompts as the eval prompts are rendered, and refuses bad input clearly."""
 
+import argparse
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import get_method
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,11 +89,11 @@ def test_overrides_reach_the_decoder(run_dir):
 def test_jsonl_prompts_are_rendered_like_the_eval_prompts(run_dir, tmp_path):
     """The run's eval prompts, given as a jsonl of their user text, decode exactly as the
     run's own evaluation of them did: same chat template, same generation prompt."""
-    from train.data import prepare_data
-    from train.target import build_tiny_random
+    from models.target_loaders import build_tiny_random
+    from train.data.prepare import prepare_data
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
-    assert cfg.target._target_ == "train.target.build_tiny_random" and cfg.target.seed == 0
+    assert cfg.target._target_ == "models.target_loaders.build_tiny_random" and cfg.target.seed == 0
     data = OmegaConf.to_container(cfg.data, resolve=True)
     prepared = prepare_data(build_tiny_random(seed=0, device="cpu"), **data)
     users = [p["messages"] for p in prepared.eval_prompts[:3]]
@@ -143,3 +145,15 @@ def test_bad_input_says_what_is_wrong(run_dir, tmp_path):
     bad.write_text('{"prompt": "fine"}\n{"prompt": "unterminated\n')
     with pytest.raises(ValueError, match="line 2: not valid JSON"):
         ev.main([str(ckpt), "--prompts", str(bad)])
+
+
+def test_a_run_naming_the_target_loaders_old_place_still_evaluates(run_dir, tmp_path):
+    """Run configs written before the loaders moved to models/ name `train.target.*`."""
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg.target._target_ = "train.target.build_tiny_random"
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    flags = ("k", "temperatures", "top_p", "top_k", "max_new_tokens", "num_prompts", "seed")
+    flags += ("dtype", "tree", "target_path", "device")
+    loaded = ev.run_config(tmp_path, argparse.Namespace(**dict.fromkeys(flags)))
+    assert loaded.target._target_ == "models.target_loaders.build_tiny_random"
+    assert callable(get_method(loaded.target._target_))

@@ -8,6 +8,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import train.losses
+from decoding.drafters import make_drafter
+from models.target_loaders import build_tiny_random
 from train.checkpoint import list_checkpoints, load_checkpoint, load_draft
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +53,7 @@ def test_debug_run_trains_checkpoints_evaluates(tmp_path):
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003", "step_00000006"]
 
     # Reload = instantiate + strict load; the weights are the saved ones.
-    target = __import__("train.target", fromlist=["x"]).build_tiny_random(
-        vocab_size=128, device="cpu"
-    )
+    target = build_tiny_random(vocab_size=128, device="cpu")
     draft = load_draft(run_dir / "checkpoints" / "step_00000006", target)
     state, _, trainer_state = load_checkpoint(run_dir / "checkpoints" / "step_00000006")
     for name, value in draft.state_dict().items():
@@ -158,9 +158,8 @@ def test_ce_data_labels_align_with_target_argmax(tmp_path):
     """The tiny data is the target's own fp32 greedy output, so at every trained position
     the data label x_{t+1} IS the target's argmax at t: both CE variants agree exactly.
     An off-by-one in the label shift breaks this."""
-    from train.data import collate, prepare_data
+    from train.data.prepare import collate, prepare_data
     from train.step_stats import offset_losses, proxy_tags, stats_size
-    from train.target import build_tiny_random
 
     target = build_tiny_random(vocab_size=128, device="cpu")
     cfg = compose_debug(tmp_path, "loss=ce", "loss.labels=data")
@@ -184,7 +183,7 @@ def test_ce_data_labels_align_with_target_argmax(tmp_path):
 
 
 def test_draft_lm_copies_target_and_decodes_losslessly(tiny_target):
-    from decoding.drafters import DraftLMDrafter
+    from decoding.drafters.draft_lm import DraftLMDrafter
     from decoding.spec import generate
     from models.draft_lm import from_target
 
@@ -194,7 +193,7 @@ def test_draft_lm_copies_target_and_decodes_losslessly(tiny_target):
     assert not lm.get_input_embeddings().weight.requires_grad
     assert lm.config.max_position_embeddings == tiny_target.config.max_position_embeddings
     assert lm.config.rope_parameters == tiny_target.config.rope_parameters
-    drafter = draft.make_drafter(tiny_target)
+    drafter = make_drafter(draft, tiny_target)
     assert isinstance(drafter, DraftLMDrafter)
     prompt = torch.tensor([[1, 4, 40, 50, 60, 70, 5, 6]])
     ar = generate(tiny_target, prompt, None, max_new_tokens=12)

@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from decoding.drafter import Sampling
+from decoding.drafters import make_drafter
 from decoding.spec import generate
 from decoding.verify import sampling_probs
 from models import medusa
 from models.protocol import DraftModel
+from models.target import Target
+from models.target_loaders import build_tiny_random
 from train.losses import forward_kl
-from train.target import Target, build_tiny_random
+from train.step_stats import adapted_lm_kl, aux_loss
 
 
 def _ids(vocab: int, shape=(2, 12), seed=0) -> torch.Tensor:
@@ -149,7 +152,7 @@ def test_bad_settings_say_what_to_change(tiny_target):
     ids = _ids(tiny_target.vocab_size)
     with pytest.raises(ValueError, match="hidden_layers"):
         heads(tiny_target, ids, tiny_target(ids))  # target run without the last hidden state
-    drafter = heads.make_drafter(tiny_target)
+    drafter = make_drafter(heads, tiny_target)
     with pytest.raises(RuntimeError, match="before prefill"):
         drafter.propose(ids[:, -1], 2, Sampling())
     drafter.prefill(ids, tiny_target(ids, hidden_layers=(-1,)))
@@ -182,7 +185,7 @@ def test_drafter_uses_head_i_for_draft_i_plus_1(perm_target, greedy_text, traine
             res = generate(
                 perm_target,
                 prompts[row : row + 1],
-                heads.make_drafter(perm_target),
+                make_drafter(heads, perm_target),
                 k=4,
                 max_new_tokens=24,
             )
@@ -206,7 +209,7 @@ def test_greedy_drafting_equals_target_greedy_with_padding(perm_target, trained,
     res = generate(
         perm_target,
         ids,
-        heads.make_drafter(perm_target),
+        make_drafter(heads, perm_target),
         k=3,
         max_new_tokens=20,
         attention_mask=mask,
@@ -220,7 +223,7 @@ def test_greedy_drafting_equals_target_greedy_with_padding(perm_target, trained,
 def test_sampled_drafts_come_with_the_q_they_were_drawn_from(perm_target, trained):
     ids = _ids(perm_target.vocab_size, (3, 8))
     out = perm_target(ids, hidden_layers=(-1,))
-    drafter = trained.make_drafter(perm_target)
+    drafter = make_drafter(trained, perm_target)
     drafter.prefill(ids, out)
     sampling = Sampling(temperature=0.7, top_k=5, top_p=0.9)
     gen = torch.Generator().manual_seed(0)
@@ -281,9 +284,9 @@ def _second_token_tv(target, drafter, prompt, sampling, rows: int) -> float:
 def test_sampled_output_follows_the_target_distribution(perm_target, trained):
     sampling = Sampling(temperature=2.0, top_k=4)
     prompt = _ids(perm_target.vocab_size, (1, 6), seed=3)
-    tv = _second_token_tv(perm_target, trained.make_drafter(perm_target), prompt, sampling, 20000)
+    tv = _second_token_tv(perm_target, make_drafter(trained, perm_target), prompt, sampling, 20000)
     wrong = _second_token_tv(
-        perm_target, _WrongQDrafter(trained.make_drafter(perm_target)), prompt, sampling, 20000
+        perm_target, _WrongQDrafter(make_drafter(trained, perm_target)), prompt, sampling, 20000
     )
     # Measured: 0.0019 with the drafter's q, 0.0196 with the wrong q.
     assert tv < 0.006, tv
@@ -309,17 +312,19 @@ def _train_medusa2(target: Target, ids, lm_loss_weight: float, steps: int = 20):
             mask[:, 1:].reshape(-1),
         )
         opt.zero_grad()
-        (head0 + draft.aux_loss).backward()
+        (head0 + aux_loss(draft, out.logits, mask)).backward()
         opt.step()
-    return heads, heads(target, ids, out, mask).extras["lm_kl"].item()
+    return heads, adapted_lm_kl(heads(target, ids, out, mask), out.logits, mask).item()
 
 
 def test_medusa2_starts_as_the_target_and_saves_only_heads_and_lora(tiny_target):
     ids = _ids(tiny_target.vocab_size, (2, 10))
     out = tiny_target(ids, hidden_layers=(-1,), use_cache=False)
     heads = medusa.from_target(tiny_target, medusa2=True, lora_rank=4, num_heads=2)
-    draft = heads(tiny_target, ids, out, torch.ones_like(ids))
-    assert draft.aux_loss.item() == 0.0  # fresh LoRA (B = 0): the adapted model is the target
+    mask = torch.ones_like(ids)
+    draft = heads(tiny_target, ids, out, mask)
+    # Fresh LoRA (B = 0): the adapted model is the target.
+    assert aux_loss(draft, out.logits, mask).item() == 0.0
     for logits in draft.logits:
         assert torch.equal(logits, out.logits)
     trained_names = {n for n, p in heads.named_parameters() if p.requires_grad}
@@ -358,7 +363,7 @@ def test_bf16_copy_drafts_with_a_bf16_target(perm_target, trained):
     heads16 = copy.deepcopy(trained).to(torch.bfloat16)
     prompt = _ids(perm_target.vocab_size, (1, 6), seed=5)
     res = generate(
-        target16, prompt, heads16.make_drafter(target16), k=4, max_new_tokens=16, eos_token_ids=[]
+        target16, prompt, make_drafter(heads16, target16), k=4, max_new_tokens=16, eos_token_ids=[]
     )
     ar = generate(target16, prompt, None, max_new_tokens=16, eos_token_ids=[])
     assert res.sequences == ar.sequences

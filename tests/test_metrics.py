@@ -8,10 +8,12 @@ import types
 
 import pytest
 
+import decoding.rounds
 import decoding.spec
-from decoding.drafters import DraftLMDrafter
+from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.metrics import acceptance_stats, evaluate, greedy_match
-from decoding.spec import GenerationResult, generate
+from decoding.rounds import GenerationResult
+from decoding.spec import generate
 from tests.test_spec import make_target, noisy_copy, prompt_ids, shifted_copy
 
 
@@ -109,9 +111,8 @@ class TickClock:
 
 def test_drafter_prefill_is_not_a_per_round_cost(monkeypatch):
     clock = TickClock()
-    monkeypatch.setattr(
-        decoding.spec, "time", types.SimpleNamespace(perf_counter=clock.perf_counter)
-    )
+    for module in (decoding.rounds, decoding.spec):  # the prefill, and the rounds
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     target = make_target()
     prompts = [prompt_ids(target, p)[0] for p in ("hello there", "write a poem about the sea")]
     draft = noisy_copy(target.model, 0.3)

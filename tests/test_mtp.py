@@ -5,12 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from decoding.drafter import Sampling
+from decoding.drafters import make_drafter
 from decoding.spec import generate
 from decoding.verify import sampling_probs
 from models.mtp import MTP, from_target
 from models.protocol import DraftModel
+from models.target_loaders import build_tiny_random
 from train.evaluate import decode_copy, draft_decode_copy
-from train.target import build_tiny_random
 
 torch.set_num_threads(1)
 
@@ -164,7 +165,7 @@ def test_drafter_caches_and_rollback_match_recompute(target):
     accepts with a bonus too): every round's q must equal a from-scratch recomputation, so
     the per-module caches are caught up and rolled back exactly."""
     model = make_mtp(target, num_depths=2)
-    drafter = model.make_drafter(target)
+    drafter = make_drafter(model, target)
     sampling = Sampling(temperature=1.0)
     gen = torch.Generator().manual_seed(0)
     rng = torch.Generator().manual_seed(1)
@@ -205,7 +206,7 @@ def test_left_padded_row_drafts_like_the_unpadded_row(target):
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
         return target(ids, attention_mask=attn, position_ids=pos, hidden_layers=(-1,))
 
-    batch, alone = model.make_drafter(target), model.make_drafter(target)
+    batch, alone = make_drafter(model, target), make_drafter(model, target)
     batch.prefill(padded, features(padded, mask), attention_mask=mask)
     alone.prefill(prompt, features(prompt, torch.ones_like(prompt)))
     kept_b, kept_a = padded, prompt
@@ -238,7 +239,7 @@ def test_left_padded_row_drafts_like_the_unpadded_row(target):
 
 def test_drafter_refuses_k_beyond_depths_without_recursion(target):
     model = make_mtp(target, num_depths=2, recursive_last=False)
-    drafter = model.make_drafter(target)
+    drafter = make_drafter(model, target)
     ids = torch.randint(3, 128, (1, 5))
     drafter.prefill(ids, target(ids, hidden_layers=(-1,)))
     drafts, q = drafter.propose(ids[:, -1], 2, Sampling(), None)
@@ -292,7 +293,7 @@ def test_greedy_spec_equals_target_greedy(target, distilled, k):
     spec = generate(
         target,
         ids,
-        distilled.make_drafter(target),
+        make_drafter(distilled, target),
         k=k,
         max_new_tokens=40,
         attention_mask=mask,
@@ -301,7 +302,7 @@ def test_greedy_spec_equals_target_greedy(target, distilled, k):
     assert spec.sequences == ref.sequences
     assert sum(spec.accept_counts) > 0  # drafts were accepted: rollback paths were taken
     single = generate(
-        target, ids[:1], distilled.make_drafter(target), k=k, max_new_tokens=40, eos_token_ids=[]
+        target, ids[:1], make_drafter(distilled, target), k=k, max_new_tokens=40, eos_token_ids=[]
     )
     assert single.sequences[0] == ref.sequences[0]
     assert single.tau > 1.2
@@ -329,7 +330,7 @@ def test_bf16_greedy_spec_equals_bf16_target_greedy(qwen3_target, qwen3_distille
     ar = generate(target16, ids, None, max_new_tokens=40, eos_token_ids=[])
     for k in (2, 4):  # k = 4 > 2 modules: recursive drafts too
         spec = generate(
-            target16, ids, model16.make_drafter(target16), k=k, max_new_tokens=40, eos_token_ids=[]
+            target16, ids, make_drafter(model16, target16), k=k, max_new_tokens=40, eos_token_ids=[]
         )
         assert spec.tau > 1.8, f"k={k}: bf16 drafts rarely accepted, tau {spec.tau:.2f}"
         for b, (row, ar_row) in enumerate(zip(spec.sequences, ar.sequences)):
@@ -354,7 +355,7 @@ def test_bf16_drafter_q_matches_fp32_reference(qwen3_target, qwen3_distilled):
     far more (measured: module j reading x_(t+j-1): TV 0.78; commit keeping an uncommitted
     cache entry: 0.09; recursion fed h^(D-1): 0.31)."""
     target16 = decode_copy(qwen3_target, torch.bfloat16)
-    drafter = draft_decode_copy(qwen3_distilled, torch.bfloat16).make_drafter(target16)
+    drafter = make_drafter(draft_decode_copy(qwen3_distilled, torch.bfloat16), target16)
     sampling = Sampling(temperature=0.7)
     gen, rng = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
     committed = torch.randint(3, 128, (2, 8), generator=rng)

@@ -1,6 +1,7 @@
-"""On-policy replay (train/replay.py) on the tiny random target: recorded positions against
-the decoder and teacher-forced argmaxes, per-stream losses, offset alignment of head
-drafts, the buffer, and `replay.enabled=true` end to end for every draft kind."""
+"""On-policy replay (train/rollouts.py, train/replay.py) on the tiny random target: recorded
+positions against the decoder and teacher-forced argmaxes, per-stream losses, offset
+alignment of head drafts, the buffer, and `replay.enabled=true` end to end for every draft
+kind."""
 
 from __future__ import annotations
 
@@ -13,20 +14,15 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from decoding.drafter import Sampling
+from decoding.drafters import make_drafter
 from decoding.spec import generate
 from models.draft_lm import DraftLM
 from models.protocol import DraftOutput
+from models.target import Target
+from models.target_loaders import build_tiny_random
 from train.losses import LOSSES
-from train.replay import (
-    ReplayBuffer,
-    Rollout,
-    make_batch,
-    prompt_prefix,
-    record_rounds,
-    replay_loss,
-    rollout,
-)
-from train.target import Target, build_tiny_random
+from train.replay import make_batch, replay_loss
+from train.rollouts import ReplayBuffer, Rollout, prompt_prefix, record_rounds, rollout
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 V = 128
@@ -101,7 +97,7 @@ def test_recorded_positions_match_decoder_accept_counts():
     for ids, r in zip(ps, rolls, strict=True):
         # The same rollout through the decoder directly: same rounds, same text.
         res = generate(
-            target, torch.tensor([ids]), noisy_draft(target, 0.6).make_drafter(target),
+            target, torch.tensor([ids]), make_drafter(noisy_draft(target, 0.6), target),
             k=4, max_new_tokens=30, eos_token_ids=[],
         )  # fmt: skip
         assert r.input_ids[len(ids) :] == res.sequences[0][: len(r.input_ids) - len(ids)]

@@ -15,10 +15,12 @@ from scipy.stats import chi2
 from transformers import GenerationConfig
 
 from decoding.drafter import Sampling
-from decoding.drafters import DraftLMDrafter, NgramDrafter
+from decoding.drafters.draft_lm import DraftLMDrafter
+from decoding.drafters.ngram import NgramDrafter
 from decoding.spec import generate
 from decoding.verify import sampling_probs
-from train.target import Target, build_tiny_random
+from models.target import Target
+from models.target_loaders import build_tiny_random
 
 DEVICE = os.environ.get("DRAFTLAB_TEST_DEVICE", "cpu")
 V = 128

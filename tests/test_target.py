@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from train.target import Target, build_tiny_random, load_hf_target
+from models.target import Target
+from models.target_loaders import build_tiny_random, load_hf_target
 
 
 def test_forward_matches_hf_and_returns_requested_layers(tiny_target: Target):
@@ -88,7 +89,7 @@ def test_directory_without_tokenizer_is_refused(tmp_path, tiny_target: Target):
 def test_embedded_smollm2_loads_offline_from_cache_and_generates(tmp_path, monkeypatch):
     import time
 
-    from train.target import convert_smollm2, load_smollm2
+    from models.target_loaders import convert_smollm2, load_smollm2
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cache = tmp_path / "cache"

@@ -22,11 +22,15 @@ import shutil
 import warnings
 from pathlib import Path
 
+import hydra.utils
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+
+from models.target import Target
 
 CKPT_SUBDIR = "checkpoints"
 PREFIX = "step_"
@@ -189,12 +193,9 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], str, dict]:
 
 
 def load_draft(
-    path: str | Path, target, device: str | torch.device | None = None
+    path: str | Path, target: Target, device: str | torch.device | None = None
 ) -> torch.nn.Module:
     """Rebuild a trained draft from a checkpoint directory for `target` (strict load)."""
-    import hydra.utils
-    from omegaconf import OmegaConf
-
     draft_state, draft_yaml, _ = load_checkpoint(path)
     draft_cfg = OmegaConf.create(draft_yaml)
     draft = hydra.utils.instantiate(draft_cfg.model, target=target, token_counts=None)

@@ -3,7 +3,7 @@
 Decoding runs in bf16 on CPU (fp32 small-row linears are 15-60x slower here, see
 design.md §5), so the loop hands over bf16 copies of the frozen target (made once and
 reused: it never changes) and of the current draft. The copies keep their rotary
-frequencies in float32 (models.protocol.cast_keep_rotary): a bare `.to(bfloat16)` rounds
+frequencies in float32 (models.dtypes.cast_keep_rotary): a bare `.to(bfloat16)` rounds
 inv_freq and decodes a different target than the one trained on. For every configured
 temperature `decoding.metrics.evaluate` measures tau, per-position acceptance and speedup
 against AR on the same prompts in the same call; next to it we log the training proxy's
@@ -19,9 +19,12 @@ import copy
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from models.protocol import cast_keep_rotary
+from decoding.drafters import make_drafter
+from decoding.metrics import evaluate
+from decoding.tree import TreeSpec
+from models.dtypes import cast_keep_rotary, resolve_dtype
+from models.target import Target
 from train.step_stats import decode_samplings
-from train.target import Target, resolve_dtype
 
 
 def decode_copy(target: Target, dtype: torch.dtype) -> Target:
@@ -49,15 +52,11 @@ def evaluate_checkpoint(
     target_eval: Target | None = None,
 ) -> tuple[dict, Target]:
     """-> (flat JSON-able metrics, the bf16 target copy to reuse at the next checkpoint)."""
-    from decoding.metrics import evaluate
-
     dec = cfg.decode
     dtype = resolve_dtype(dec.get("dtype", "bfloat16"))
     k = int(dec.get("k", 4))
     tree = None  # decode=tree_static / tree_dynamic: draft trees (decoding/tree.py)
     if dec.get("tree") is not None:
-        from decoding.tree import TreeSpec
-
         tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
     if target_eval is None:
         target_eval = decode_copy(target, dtype)
@@ -69,7 +68,7 @@ def evaluate_checkpoint(
         if hasattr(draft_eval, "merged_target")
         else target_eval
     )
-    drafter = draft_eval.make_drafter(decode_target)
+    drafter = make_drafter(draft_eval, decode_target)
     num = dec.get("num_prompts") or len(eval_prompts)
     if not eval_prompts:
         raise ValueError(

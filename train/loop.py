@@ -1,4 +1,6 @@
-"""The training loop: frozen target online, trainable draft, accelerate for devices/ranks.
+"""The training loop, one file of over 400 lines: `run` is one procedure, config to summary.
+
+Frozen target online, trainable draft, accelerate for devices and ranks.
 
 One optimizer step = `grad_accum` micro-batches of `batch_size` rows on every rank. The
 global batch (batch_size x world_size x grad_accum rows) is cut from one seeded stream of
@@ -39,13 +41,13 @@ from train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from train.data import collate, prepare_data
+from train.data.prepare import collate, prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.losses import LOSSES
 from train.replay import Replay
+from train.report.tracking import setup_wandb_env, wandb_run_settings, wandb_summary
 from train.settings import check_settings
-from train.step_stats import StepWindow, offset_losses, proxy_tags
-from train.tracking import setup_wandb_env, wandb_run_settings, wandb_summary
+from train.step_stats import StepWindow, aux_loss, offset_losses, proxy_tags
 
 
 class TrainingDiverged(RuntimeError):
@@ -321,9 +323,10 @@ def run(cfg: DictConfig) -> dict:
                     out, t_out.logits, b, offsets, counts, loss_fn, temperature, cfg, stats
                 )
                 loss = loss * world * (1.0 - replay_share)
-                if out.aux_loss is not None:
-                    loss = loss + out.aux_loss / tc.grad_accum
-                    stats[3 * n_off] += out.aux_loss.detach().float() / tc.grad_accum
+                aux = aux_loss(out, t_out.logits, b["attention_mask"])
+                if aux is not None:
+                    loss = loss + aux / tc.grad_accum
+                    stats[3 * n_off] += aux.detach().float() / tc.grad_accum
                 stats[-1] += b["attention_mask"].sum()
                 accelerator.backward(loss)
         stats = accelerator.reduce(stats, reduction="sum")

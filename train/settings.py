@@ -3,7 +3,7 @@ before the target is loaded, so a bad decode / evaluation / replay / loop settin
 seconds instead of at the first evaluation or rollout, hours into a run.
 
 The checks are those of the code that uses each setting (decoding.verify.check_sampling,
-decoding.tree.TreeSpec, train.replay.Replay, train.target.resolve_dtype, the loss table,
+decoding.tree.TreeSpec, train.replay.Replay, models.dtypes.resolve_dtype, the loss table,
 torch's AdamW), called on the config values, with the config key in front of their messages.
 """
 
@@ -17,9 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.drafter import Sampling
 from decoding.tree import TreeSpec
 from decoding.verify import check_sampling
+from models.dtypes import resolve_dtype
 from train.losses import LOSSES
 from train.replay import Replay
-from train.target import resolve_dtype
 
 
 def _named(where: str, check: Callable, *args, **kwargs):

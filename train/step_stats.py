@@ -3,7 +3,10 @@
 `offset_losses` sums the configured loss over every draft offset (Medusa heads, MTP depths,
 EAGLE unroll steps; the draft LM has one offset 0), normalised by the GLOBAL count of trained
 positions per offset and weighted offset_decay**i, and accumulates per-offset sums into
-`stats`. `StepWindow` turns those sums into the `kind: train` records of metrics.jsonl.
+`stats`. `aux_loss` adds what a draft trains besides its offsets: its own weighted
+`DraftOutput.aux_loss` (EAGLE-1 feature regression) and, for a draft that adapts the target
+(Medusa-2), weight * KL(p_target || p_adapted). `StepWindow` turns the sums into the
+`kind: train` records of metrics.jsonl.
 
 The acceptance statistics are the decoder's (train/losses.py): top-1 agreement with the
 target's full-vocabulary argmax (greedy), and alpha = Σ min(p, q) over the draft's ids with
@@ -28,9 +31,17 @@ from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
+from torch import Tensor
 
 from decoding.drafter import Sampling
-from train.losses import acceptance_proxy, sampling_cutoffs, simulated_tau, top1_agreement
+from models.protocol import DraftOutput
+from train.losses import (
+    acceptance_proxy,
+    forward_kl,
+    sampling_cutoffs,
+    simulated_tau,
+    top1_agreement,
+)
 
 
 def sampling_tag(sampling: Sampling) -> str:
@@ -134,6 +145,33 @@ def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperatu
             cut_i = cut[:, off:].reshape(-1, 2)  # [N, 2]
             alpha_sum = acceptance_proxy(d, t, mask, sampling, cut_i, reduction="sum")
             stats[_alpha_slot(n_off, j) + i] += alpha_sum
+    return total
+
+
+def adapted_lm_kl(out: DraftOutput, target_logits: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """KL(p_target || p_adapted) over the real tokens: how far a draft's adapted target
+    (Medusa-2's LoRA, `out.adapted_logits` [B, T, V]) has moved from the frozen one
+    (`target_logits` [B, T, V])."""
+    own = out.adapted_logits  # [B, T, V]
+    if attention_mask is None:
+        attention_mask = torch.ones(own.shape[:2], dtype=torch.long, device=own.device)
+    vocab = own.shape[-1]
+    return forward_kl(
+        own.reshape(-1, vocab), target_logits.reshape(-1, vocab), attention_mask.reshape(-1)
+    )
+
+
+def aux_loss(
+    out: DraftOutput, target_logits: Tensor, attention_mask: Tensor | None
+) -> Tensor | None:
+    """The draft's loss besides its offsets, weighted: its own `aux_loss` (EAGLE-1 feature
+    regression) plus, when it adapts the target (Medusa-2), adapted_loss_weight *
+    KL(p_target || p_adapted), which keeps the adapted model's outputs where they were.
+    None when the draft has neither."""
+    total = out.aux_loss
+    if out.adapted_logits is not None:
+        lm = out.adapted_loss_weight * adapted_lm_kl(out, target_logits, attention_mask)
+        total = lm if total is None else total + lm
     return total
 
 

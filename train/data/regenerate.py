@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from models.protocol import cast_keep_rotary
-from train.target import Target, resolve_dtype
+from models.dtypes import cast_keep_rotary, resolve_dtype
+from models.target import Target
 
 
 def default_cache_root() -> Path:

@@ -1,4 +1,5 @@
-"""The EAGLE drafter for the shared decoder: autoregressive in feature space, own KV cache.
+"""The EAGLE drafter (models/eagle.py) for the shared decoder: autoregressive in feature
+space, own KV cache.
 
 State between calls (positions are the target's positions; the draft cache holds one entry
 per position whose real target feature and next token are both known):
@@ -19,25 +20,22 @@ Reduced vocabulary: the head is the [V_draft, H] slice gathered once here, so a 
 touches the target's full output head; draft ids map to target ids through d2t, and q is
 scattered into the full vocabulary (zeros outside the draft vocabulary).
 Left-padded batches (decoding/spec.py passes `attention_mask` to prefill): row b's first
-pad[b] cache entries are padding; its position ids are counted over real tokens, and pad
-keys are masked out (a pad query still sees itself, so softmax never sees an empty row).
+pad[b] cache entries are padding (decoding/drafters/cache.py: position ids over real
+tokens, pad keys masked out).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 
 from decoding.drafter import Sampling
+from decoding.drafters.cache import crop_to, left_padding, positions_and_mask
+from decoding.tree import DraftTree, TreeSpec
 from decoding.verify import sampling_probs
-
-if TYPE_CHECKING:
-    from decoding.tree import DraftTree, TreeSpec
-    from models.eagle import EagleDraft
-    from train.target import Target, TargetOutput
+from models.eagle import EagleDraft
+from models.target import Target, TargetOutput
 
 
 class EagleDrafter:
@@ -57,7 +55,6 @@ class EagleDrafter:
         self.pending_feature: Tensor | None = None
         self.pending_tokens: Tensor | None = None
         self.kept_len = 0  # cache length holding only real-feature positions
-
         self.pad: Tensor | None = None  # [B] left-padding per row, None = no padding
 
     @torch.no_grad()
@@ -68,45 +65,34 @@ class EagleDrafter:
         self.pending_feature = self.model.fuse_features(target_out.hidden)  # [B, T, H]
         self.pending_tokens = input_ids[:, 1:]  # [B, T-1]
         self.kept_len = 0
-        self.pad = None
-        if attention_mask is not None and bool((attention_mask == 0).any()):
-            self.pad = (attention_mask == 0).long().sum(-1)  # [B]
+        self.pad = left_padding(attention_mask)  # [B], None = no padding
 
     def _run(self, feature: Tensor, tokens: Tensor, start: int) -> Tensor:
         """The layer over P new positions start..start+P-1 of the cache -> hidden [B, P, H]."""
-        P = tokens.shape[1]
-        device = tokens.device
-        slots = torch.arange(start, start + P, device=device)  # cache indices of the new positions
-        keys = torch.arange(start + P, device=device)
-        mask = None
-        if P > 1:  # bottom-right causal over [cache, new]
-            mask = (keys[None, :] <= slots[:, None])[None, None]  # [1, 1, P, start+P]
-        positions = slots
-        if self.pad is not None:
-            positions = (slots[None, :] - self.pad[:, None]).clamp_min(0)  # [B, P]
-            real_key = keys[None, :] >= self.pad[:, None]  # [B, start+P]
-            own = keys[None, :] == slots[:, None]  # [P, start+P]
-            causal = keys[None, :] <= slots[:, None]  # [P, start+P]
-            mask = (causal[None] & (real_key[:, None, :] | own[None]))[
-                :, None
-            ]  # [B, 1, P, start+P]
+        positions, mask = positions_and_mask(start, tokens.shape[1], self.pad, tokens.device)
         return self.model.step(feature, self.embed(tokens), positions, self.cache, mask)
+
+    def _run_pending(self, last_tokens: Tensor, call: str) -> Tensor:
+        """The layer over the positions committed since the last round, ending with
+        `last_tokens` [B]: their entries join the cache for good. Returns the draft's hidden
+        at the newest position [B, 1, H], whose logits give the first draft."""
+        if self.pending_feature is None:
+            raise RuntimeError(
+                f"EagleDrafter.{call} called twice without commit (or before prefill)"
+            )
+        tokens = torch.cat([self.pending_tokens, last_tokens[:, None]], dim=1)  # [B, P]
+        start = self.cache.get_seq_length()
+        h = self._run(self.pending_feature, tokens, start)[:, -1:]  # [B, 1, H]
+        self.kept_len = start + tokens.shape[1]
+        self.pending_feature = self.pending_tokens = None
+        return h
 
     @torch.no_grad()
     def propose(
         self, last_tokens: Tensor, k: int, sampling: Sampling, generator=None
     ) -> tuple[Tensor, Tensor | None]:
-        if self.pending_feature is None:
-            raise RuntimeError(
-                "EagleDrafter.propose called twice without commit (or before prefill)"
-            )
-        tokens = torch.cat([self.pending_tokens, last_tokens[:, None]], dim=1)  # [B, P]
-        B, P = tokens.shape
-        start = self.cache.get_seq_length()
-        # The draft's feature for the position after last_tokens:
-        h = self._run(self.pending_feature, tokens, start)[:, -1:]  # [B, 1, H]
-        self.kept_len = start + P
-        self.pending_feature = self.pending_tokens = None
+        h = self._run_pending(last_tokens, "propose")  # [B, 1, H]
+        B = h.shape[0]
         draft_tokens, draft_q = [], []
         for i in range(k):
             logits = self.model.logits(h, self.head)[:, 0]  # [B, V_draft]
@@ -147,23 +133,14 @@ class EagleDrafter:
         never exceeds its parent's and ties keep the shallower first, so they form a tree.
         The candidates are a deterministic function of the draft's outputs, so q = None
         (verified as one-hot drafts; lossless at any temperature, decoding/verify.py)."""
-        from decoding.tree import DraftTree
-
         if tree.kind != "dynamic":
             raise ValueError(
                 f"the EAGLE drafter drafts dynamic (EAGLE-2) trees (decode.tree.kind=dynamic), "
                 f"got {tree.kind!r}; static paths are for Medusa heads"
             )
-        if self.pending_feature is None:
-            raise RuntimeError("EagleDrafter.propose_tree called twice without commit")
         depth = min(tree.depth, max_depth or tree.depth)
-        tokens = torch.cat([self.pending_tokens, last_tokens[:, None]], dim=1)  # [B, P]
-        B, P = tokens.shape
-        start = self.cache.get_seq_length()
-        h_root = self._run(self.pending_feature, tokens, start)[:, -1:]  # [B, 1, H]
-        self.kept_len = start + P
-        self.pending_feature = self.pending_tokens = None
-        device = tokens.device
+        h_root = self._run_pending(last_tokens, "propose_tree")  # [B, 1, H]
+        B, device = h_root.shape[0], last_tokens.device
         root_pos = torch.full((B,), self.kept_len - 1, device=device)
         prefix = torch.ones(B, self.kept_len, dtype=torch.bool, device=device)
         if self.pad is not None:
@@ -221,7 +198,7 @@ class EagleDrafter:
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
         # Drop the k-1 speculative entries; the accepted drafts' entries are recomputed from
         # the target's real features at the next propose.
-        self.cache.crop(self.kept_len - self.cache.get_seq_length())
+        crop_to(self.cache, self.kept_len)
         feature = self.model.fuse_features(target_out.hidden)  # [B, n+1, H]
         if feature.shape[1] != emitted.shape[1] or emitted.shape[1] != num_accepted + 1:
             raise ValueError(

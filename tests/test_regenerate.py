@@ -1,0 +1,69 @@
+"""Target-regenerated answers (train/data/regenerate.py): equal to the target's greedy
+output, and a cache that resumes after a crash and is keyed by the settings."""
+
+from tests.test_data import greedy, write_rows
+from train.data.chat import CHAT_TEMPLATES
+from train.data.prepare import prepare_data
+from train.data.regenerate import regenerate
+
+
+def test_regenerated_answers_are_the_targets_greedy_output(tiny_target, tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"}]}
+        for q in ("Hi", "What is 2+2?", "Name a colour, please.")
+    ]
+    src = write_rows(tmp_path / "chats.jsonl", rows)
+    data = prepare_data(
+        tiny_target,
+        source=str(src),
+        num_eval=0,
+        max_new_tokens=12,
+        max_len=256,
+        regen_dtype="float32",
+        regen_batch_size=3,
+        cache_dir=str(tmp_path),
+        progress=False,
+    )
+    assert data.stats["regen"]["generated"] == 3
+    for ids, mask in zip(data.train["input_ids"], data.train["loss_mask"], strict=True):
+        start = mask.index(1) + 1  # first answer token
+        assert tiny_target.tokenizer.decode(ids[:start]).endswith("<|im_start|>assistant\n")
+        assert ids[start:] == greedy(tiny_target, ids[:start], 12)
+        assert sum(mask) == len(ids) - start  # every answer token trained, prompt not
+
+
+def test_regeneration_cache_resumes_and_is_keyed_by_settings(tiny_target, tmp_path):
+    tok = tiny_target.tokenizer
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for q in ("a", "bb", "ccc")
+    ]
+    kw = {
+        "max_new_tokens": 5,
+        "dtype": "float32",
+        "batch_size": 2,
+        "cache_dir": tmp_path,
+        "progress": False,
+    }
+    first, s1 = regenerate(tiny_target, prompts[:2], **kw)
+    assert (s1["cached"], s1["generated"]) == (0, 2)
+    with open(s1["cache"], "a") as f:
+        f.write('{"prompt": "cut short by a cra')  # a crash mid-write
+    again, s2 = regenerate(tiny_target, prompts, **kw)
+    assert (s2["cached"], s2["generated"]) == (2, 1)
+    assert again[:2] == first
+    assert regenerate(tiny_target, prompts, **kw)[1]["generated"] == 0
+    other = regenerate(tiny_target, prompts[:1], **{**kw, "max_new_tokens": 3})[1]
+    assert other["generated"] == 1 and other["cache"] != s1["cache"]
+    # The template the prompts were rendered with is part of the key (data.chat_template).
+    assert (
+        regenerate(tiny_target, prompts, **kw, chat_template=tok.chat_template)[1]["generated"] == 0
+    )
+    plain = regenerate(tiny_target, prompts[:1], **kw, chat_template=CHAT_TEMPLATES["plain"])[1]
+    assert plain["generated"] == 1 and plain["cache"] != s1["cache"]
+    for r in again:
+        assert len(r["ids"]) <= 5 and r["finished"] == (r["ids"][-1] in tiny_target.eos_token_ids)

@@ -1,0 +1,8 @@
+"""Training data: `prepare.prepare_data(target, **cfg.data)` turns a source into training rows
+with the assistant-only loss mask, held-out eval prompts and label token counts.
+
+    prepare.py     sources (files, datasets, the embedded corpus), eval split, rows, batches
+    chat.py        the one chat template and the assistant-only mask
+    corpus.py      the embedded corpus (HumanEval, Shakespeare, CPython stdlib; no network)
+    regenerate.py  the target's own answers to the training prompts, cached on disk
+"""

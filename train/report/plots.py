@@ -1,0 +1,131 @@
+"""The comparison plots of grouped runs (train/report/runs.py), one figure per function:
+tau at each checkpoint, per-position acceptance of the final evaluation, and the training
+proxy's predicted tau against the measured one. scripts/compare.py saves them as PNGs
+(`PLOTS`: file name -> function); the notebook shows them inline."""
+
+from __future__ import annotations
+
+import statistics
+
+import matplotlib.pyplot as plt
+
+from train.report.runs import Group, eval_tags, mean_ci
+
+
+def _labels(groups: list[Group]) -> tuple[list[str], str | None]:
+    """Legend labels and title: with one group key the labels are its values, the title
+    its name."""
+    if groups and len(groups[0].values) == 1:
+        return [str(next(iter(g.values.values()))) for g in groups], next(iter(groups[0].values))
+    return [g.label for g in groups], None
+
+
+def _finish(fig, ax, title: str | None, xlabel: str, ylabel: str, heading: str):
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=heading)
+    ax.grid(alpha=0.3)
+    ax.legend(title=title, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_tau_vs_step(groups: list[Group]):
+    """tau of every checkpoint evaluation against the training step: a thin line per run,
+    a thick line for the group mean over runs at the steps they share."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    labels, title = _labels(groups)
+    for i, (g, label) in enumerate(zip(groups, labels)):
+        by_step: dict[int, list[float]] = {}
+        for run in g.runs:
+            pts = [(e["step"], e["tau"]) for e in run.evals if e.get("tau") is not None]
+            if pts:
+                ax.plot(*zip(*pts), color=f"C{i % 10}", alpha=0.3, lw=0.8, marker=".")
+            for step, tau in pts:
+                by_step.setdefault(step, []).append(tau)
+        steps = sorted(s for s, v in by_step.items() if len(v) == len(g.runs))
+        means = [statistics.fmean(by_step[s]) for s in steps]
+        style = {"color": f"C{i % 10}", "lw": 2.2, "marker": "o"}
+        ax.plot(steps, means, **style, label=f"{label} (n={len(g.runs)})")
+    heading = "τ at each checkpoint (thin: runs, thick: mean)"
+    return _finish(fig, ax, title, "training step", "τ (tokens / verify forward)", heading)
+
+
+def plot_acceptance_per_position(groups: list[Group]):
+    """Per-position acceptance of the final evaluation, per group (one line per loss in a
+    loss sweep), mean over the group's runs with a 95% t-interval. Left: cumulative
+    P(drafts 1..i all accepted), whose sum is about τ − 1. Right: conditional α_i, annotated with
+    the verify rounds that reached position i (pooled over runs): deep positions rest on
+    few rounds, so their α_i is noisy where the cumulative curve is not."""
+    fig, (ax_cum, ax_cond) = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    labels, title = _labels(groups)
+    head = None
+    for i, (g, label) in enumerate(zip(groups, labels)):
+        head = eval_tags(g.runs[0].final_eval)[0] if g.runs[0].final_eval else head
+        shift = (i - (len(groups) - 1) / 2) * 0.06  # keep the error bars of groups apart
+        for ax, key in ((ax_cum, "accept_cumulative"), (ax_cond, "alpha")):
+            lists = [r.final_eval.get(f"{head}/{key}") or [] for r in g.runs]
+            k = max((len(x) for x in lists), default=0)
+            stats = [mean_ci([x[j] for x in lists if j < len(x)]) for j in range(k)]
+            shown = [(j + 1, s) for j, s in enumerate(stats) if s["mean"] is not None]
+            x = [pos + shift for pos, _ in shown]
+            y, err = [s["mean"] for _, s in shown], [s["ci95"] or 0.0 for _, s in shown]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=label)
+        # Rounds reaching position i = rounds that accepted at least i - 1 drafts.
+        hists = [r.final_eval.get(f"{head}/accept_hist") or [] for r in g.runs]
+        width = max((len(h) for h in hists), default=0)
+        pooled = [sum(h[j] for h in hists if j < len(h)) for j in range(width)]
+        for pos in range(1, width):
+            ax_cond.annotate(
+                f"n={sum(pooled[pos - 1 :])}", (pos + 0.08, 0.03 + 0.045 * i),
+                color=f"C{i % 10}", fontsize=7,
+            )  # fmt: skip
+    for ax in (ax_cum, ax_cond):
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    ax_cum.set(
+        xlabel="draft position i",
+        ylabel="P(drafts 1..i accepted)",
+        title="cumulative: τ ≈ 1 + Σ_i",
+    )
+    ax_cond.set(
+        xlabel="draft position i (n: verify rounds that reached i)",
+        ylabel="α_i = P(accept i | 1..i−1 accepted)",
+        title="conditional",
+    )
+    ax_cum.legend(title=title, fontsize=8)
+    fig.suptitle(f"Per-position acceptance ({head}, final eval, mean ± 95% CI over runs)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_proxy_vs_measured(groups: list[Group]):
+    """The training proxy's predicted tau against the decoder's measured tau, one point per
+    checkpoint evaluation and temperature; on the diagonal the proxy is exact."""
+    fig, ax = plt.subplots(figsize=(5.2, 5.0))
+    labels, title = _labels(groups)
+    markers: dict[str, str] = {}
+    lo = hi = 1.0
+    for i, (g, label) in enumerate(zip(groups, labels)):
+        points: dict[str, list[tuple[float, float]]] = {}  # tag -> [(proxy, measured)]
+        for e in (e for run in g.runs for e in run.evals):
+            for tag in eval_tags(e):
+                if e.get(f"{tag}/proxy_tau") is not None and e.get(f"{tag}/tau") is not None:
+                    points.setdefault(tag, []).append((e[f"{tag}/proxy_tau"], e[f"{tag}/tau"]))
+        for n, (tag, pts) in enumerate(points.items()):
+            marker = markers.setdefault(tag, "o^sDv<>"[len(markers) % 7])
+            style = {"color": f"C{i % 10}", "marker": marker, "alpha": 0.75, "s": 28}
+            ax.scatter(*zip(*pts), **style, label=label if n == 0 else None)
+            lo, hi = min(lo, *(min(p) for p in pts)), max(hi, *(max(p) for p in pts))
+    ax.plot([lo, hi + 0.1], [lo, hi + 0.1], color="0.5", ls="--", lw=1, label="proxy = measured")
+    heading = (
+        "Proxy-predicted vs measured τ (" + ", ".join(f"{m} {t}" for t, m in markers.items()) + ")"
+    )
+    xlabel = "proxy τ (simulated from training α / top-1)"
+    return _finish(fig, ax, title, xlabel, "measured τ (decoder)", heading)
+
+
+PLOTS = {
+    "tau_vs_step.png": plot_tau_vs_step,
+    "acceptance_per_position.png": plot_acceptance_per_position,
+    "proxy_vs_measured.png": plot_proxy_vs_measured,
+}
