@@ -179,7 +179,7 @@ def from_target(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=intermediate_size or cfg.intermediate_size,
-        rms_norm_eps=cfg.rms_norm_eps,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-5),  # Cohere has layer_norm_eps
         max_position_embeddings=rope["max_position_embeddings"],
         rope_parameters=rope["rope_parameters"],
         num_depths=num_depths,

@@ -114,14 +114,19 @@ class Target:
 
     @property
     def final_norm_weight(self) -> Tensor:
-        """[H] the final RMSNorm's per-channel scale, as a Llama RMSNorm holds it. Gemma's
+        """[H] the final norm's per-channel scale, as a Llama RMSNorm holds it. Gemma's
         norms store `scale - 1` (they compute x * (1 + weight)), so a draft copying
         `final_norm.weight` into its own Llama norm would start at zero output. Read off
-        the norm itself: a constant input has RMS equal to itself, so the output is the scale."""
-        norm = self.final_norm
-        probe = torch.full((1, self.hidden_size), 1024.0, device=self.device)
+        the norm itself, with a probe of mean 0 and no zero entry (alternating +-1): a
+        LayerNorm (Cohere) subtracts the mean, so a constant probe would map to zero, while
+        on a mean-0 probe RMSNorm and LayerNorm agree. out(p) - out(-p) cancels any bias."""
+        signs = torch.ones(self.hidden_size, device=self.device)
+        signs[1::2] = -1.0
+        probe = (signs - signs.mean()).to(self.dtype)  # [H] mean 0 even when H is odd
+        unit = probe.float() / probe.float().pow(2).mean().sqrt()  # [H] probe / its RMS
         with torch.no_grad():
-            return norm(probe.to(self.dtype))[0].detach().clone()
+            up, down = self.final_norm(1024.0 * probe[None]), self.final_norm(-1024.0 * probe[None])
+        return ((up[0].float() - down[0].float()) / (2 * unit)).to(self.dtype)
 
     def head_logits(self, hidden: Tensor) -> Tensor:
         """The model's own logits from last hidden states (after the final norm), [..., V]:

@@ -227,5 +227,10 @@ def build_tiny_random(
         if not tie_word_embeddings:
             model.get_output_embeddings().weight.mul_(8.0)
     cast_keep_rotary(model.to(resolve_device(device)), resolve_dtype(dtype))
+    # The name keys the regeneration cache: every setting that changes the model is in it.
     name = f"tiny_random-s{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}"
-    return Target(model, tokenizer, name=name if arch == "llama" else f"{name}-{arch}")
+    name += "" if arch == "llama" else f"-{arch}"
+    name += "" if tie_word_embeddings == (arch != "qwen3") else f"-tied{int(tie_word_embeddings)}"
+    name += f"-w{sliding_window}" if arch in ("gemma2", "gemma3") else ""
+    name += "" if chat_template else "-base"
+    return Target(model, tokenizer, name=name)

@@ -23,7 +23,7 @@ pass, so drift on a shared machine is spread over all methods. tokens/s and spee
 τ, one definition for every row: tokens emitted per target verify forward, bonus included,
 every forward after the prefill counted (the prefill forward and its `prefill_tokens` are left
 out; transformers' assisted / prompt-lookup prefill also verifies drafts). Ours: from
-GenerationResult.accept_counts / draft_lens; transformers': from a hook on the target
+GenerationResult.round_tokens / draft_lens; transformers': from a hook on the target
 (`hf_rounds`). `tau_drafted`: the same over forwards that had drafts only; not comparable.
 
 No second SmolLM-family model exists offline, so the draft LM is a truncated copy of the
@@ -60,7 +60,7 @@ from decoding.metrics import greedy_match  # noqa: E402
 from decoding.spec import generate  # noqa: E402
 from decoding.tree import TreeSpec  # noqa: E402
 from models import eagle, medusa  # noqa: E402
-from models.dtypes import resolve_dtype  # noqa: E402
+from models.dtypes import cast_keep_rotary, resolve_dtype  # noqa: E402
 from models.target import Target  # noqa: E402
 from models.target_loaders import build_tiny_random, load_smollm2  # noqa: E402
 from train.checkpoint import load_draft  # noqa: E402
@@ -89,7 +89,8 @@ def truncated_draft(target: Target, first: int, last: int = 0) -> LlamaForCausal
         )
     keep = list(range(first)) + list(range(n - last, n))  # target layer ids
     cfg = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": len(keep)})
-    draft = LlamaForCausalLM(cfg).to(device=target.device, dtype=target.dtype)
+    # float32 rotary frequencies, as in the target the layers come from (models/dtypes.py)
+    draft = cast_keep_rotary(LlamaForCausalLM(cfg).to(target.device), target.dtype)
     state = {}
     for key, value in target.model.state_dict().items():
         if key.startswith("model.layers."):
@@ -116,7 +117,7 @@ def load_heads(kind: str, path: str, target: Target) -> torch.nn.Module:
             model = eagle.from_target(target, None, vocab_size="full")
     else:
         model = load_draft(path, target)
-    return model.to(device=target.device, dtype=target.dtype).eval()
+    return cast_keep_rotary(model.to(target.device), target.dtype).eval()
 
 
 def tau_figures(accept_counts: list[int], draft_lens: list[int]) -> dict:

@@ -90,13 +90,22 @@ def test_drafts_get_the_rope_of_the_full_attention_layers():
         assert cfg.rope_parameters["rope_type"] == "linear" and cfg.rope_parameters["factor"] == 2
 
 
-def test_drafts_copy_the_final_norm_scale_not_gemmas_offset():
+@pytest.mark.parametrize("arch", ["gemma3", "cohere"])
+def test_drafts_copy_the_final_norm_scale_not_gemmas_offset(arch):
+    """Gemma's RMSNorm computes x * (1 + weight); Cohere's is a LayerNorm (subtracts the
+    mean), so a constant probe would read its scale as zero."""
     from models import draft_lm, eagle, mtp
 
-    target = build_tiny_random(arch="gemma3", device="cpu")
-    with torch.no_grad():
-        target.final_norm.weight.uniform_(-0.5, 0.5)  # Gemma computes x * (1 + weight)
-    scale = 1 + target.final_norm.weight
+    if arch == "gemma3":
+        target = build_tiny_random(arch="gemma3", device="cpu")
+        with torch.no_grad():
+            target.final_norm.weight.uniform_(-0.5, 0.5)
+        scale = 1 + target.final_norm.weight
+    else:
+        target = with_transform("cohere")
+        with torch.no_grad():
+            target.final_norm.weight.uniform_(0.5, 1.5)
+        scale = target.final_norm.weight
     torch.testing.assert_close(target.final_norm_weight, scale)
     torch.testing.assert_close(eagle.from_target(target, vocab_size="full").norm.weight, scale)
     torch.testing.assert_close(mtp.from_target(target).depths[0].final_norm.weight, scale)

@@ -106,3 +106,21 @@ def test_importing_a_layer_loads_no_higher_layer(layer: str):
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+# Built from parts so that this file itself does not match.
+OUTSIDE_REFS = ("../" + "shared", "shared/" + "design.md")
+
+
+def test_no_file_refers_outside_the_project():
+    # A clone has only the project: it documents itself (docs/design.md).
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    offenders = [
+        name
+        for name in tracked
+        if name.endswith((".py", ".md", ".yaml", ".sh", ".toml", ".ipynb"))
+        and any(ref in (ROOT / name).read_text(errors="ignore") for ref in OUTSIDE_REFS)
+    ]
+    assert not offenders, f"files that refer outside the project (a clone lacks it): {offenders}"

@@ -12,7 +12,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from train.checkpoint import list_checkpoints, load_checkpoint
+from train.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    resume_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -111,13 +116,21 @@ def test_damaged_newest_checkpoint_resumes_from_the_newest_intact_one(tmp_path):
     damaged = newest / "draft.safetensors"
     _truncate(damaged, damaged.stat().st_size // 2)  # e.g. a full disk while copying the run
 
-    with pytest.warns(UserWarning, match=f"resuming from {older}.*{damaged} is damaged"):
-        summary = run(_compose(tmp_path, "train.steps=12", "resume=true"))
+    # The damaged one is renamed aside: out of keep_last pruning and latest_checkpoint (which
+    # scripts/evaluate.py reads), kept for inspection.
+    aside = newest.with_name(".damaged-step_00000012")
+    with pytest.warns(UserWarning, match=f"{older}.*renamed {aside.name}.*{damaged} is damaged"):
+        assert resume_checkpoint(tmp_path, resume=True, overwrite=False) == older
+    assert latest_checkpoint(tmp_path) == older and list_checkpoints(tmp_path)[-1] == older
+    assert not newest.exists() and (aside / "draft.safetensors").is_file()
+
+    summary = run(_compose(tmp_path, "train.steps=12", "resume=true"))
     assert summary["resumed_from"] == str(older)
     assert _losses(tmp_path) == want  # steps 9..12 again, bit-identical
     got_state = load_checkpoint(newest)[0]  # step 12 was written again, intact
     for name in want_state:
         assert torch.equal(got_state[name], want_state[name]), name
+    assert aside.is_dir()  # a resume's clean_partial leaves it for the user
 
 
 def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path):

@@ -10,11 +10,14 @@ A checkpoint is written into `.tmp-step_*`, every file fsync'ed, then the direct
 renamed into place and the parent fsync'ed: a crash mid-write leaves only a `.tmp-*`
 directory, which `list_checkpoints` ignores and `clean_partial` removes. So a directory
 named `step_*` is always complete when written; a file damaged later (a full disk, a bad
-copy) is caught by `checkpoint_damage`, and resume falls back to the newest intact one.
+copy) is caught by `checkpoint_damage`, and resume falls back to the newest intact one,
+renaming each newer damaged one to `.damaged-step_*`: out of `list_checkpoints` (so out of
+keep_last pruning and `latest_checkpoint`), kept for inspection (`clean_partial` leaves it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -35,6 +38,7 @@ from models.target import Target
 CKPT_SUBDIR = "checkpoints"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = ".damaged-"
 FILES = ("draft.safetensors", "draft.yaml", "trainer_state.pt")  # what resume reads
 
 
@@ -203,10 +207,23 @@ def load_draft(
     return draft.to(device or target.device)
 
 
+def _move_aside(ckpt: Path) -> Path:
+    """Rename damaged checkpoint `ckpt` to `.damaged-step_N` (`-2`, `-3`... if taken): no longer
+    a checkpoint to prune, resume or evaluate, but kept for the user to inspect."""
+    n, dest = 1, ckpt.with_name(DAMAGED_PREFIX + ckpt.name)
+    while dest.exists():
+        n += 1
+        dest = ckpt.with_name(f"{DAMAGED_PREFIX}{ckpt.name}-{n}")
+    with contextlib.suppress(FileNotFoundError):  # every rank resumes: another moved it first
+        ckpt.rename(dest)
+    return dest
+
+
 def resume_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Path | None:
     """Decide, before anything heavy, whether a run starts fresh (None) or resumes from the
-    returned checkpoint: the newest intact one, with a warning naming any newer damaged one
-    (it is left in place; the run re-saves that step when it gets there). Removes a crashed
+    returned checkpoint: the newest intact one, with a warning naming any newer damaged one,
+    which is renamed to `.damaged-step_N` (else it would count toward keep_last and be
+    `latest_checkpoint`; the run re-saves that step when it gets there). Removes a crashed
     write's partial directory."""
     clean_partial(run_dir)
     newest = latest_checkpoint(run_dir)
@@ -223,16 +240,17 @@ def resume_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Path | No
             damage = checkpoint_damage(ckpt)
             if damage is None:
                 if damaged:
+                    moved = [f"{c.name} (renamed {_move_aside(c).name}): {d}" for c, d in damaged]
                     warnings.warn(
                         f"resuming from {ckpt}, the newest intact checkpoint, instead of the "
-                        f"damaged newer one(s): {'; '.join(damaged)}",
+                        f"damaged newer one(s): {'; '.join(moved)}",
                         stacklevel=2,
                     )
                 return ckpt
-            damaged.append(f"{ckpt.name}: {damage}")
+            damaged.append((ckpt, damage))
         raise ValueError(
             f"resume=true but no checkpoint in {run_dir}/checkpoints is intact: "
-            f"{'; '.join(damaged)}. Delete the damaged directories, or pass overwrite=true "
+            f"{'; '.join(f'{c.name}: {d}' for c, d in damaged)}. Delete the damaged directories, or pass overwrite=true "
             "(instead of resume=true) to start the run afresh."
         )
     if newest is not None and not overwrite:

@@ -97,6 +97,39 @@ def check_decode(dec: DictConfig) -> None:
         _named("decode.tree", TreeSpec, **OmegaConf.to_container(dec.tree, resolve=True))
 
 
+# decode.tree.kind each draft kind's drafter drafts (its propose_tree, decoding/drafters/):
+# eagle.py EAGLE-2 dynamic trees, medusa.py static trees; draft_lm.py and mtp.py chains only.
+TREE_KINDS = {"eagle": ("dynamic",), "medusa": ("static",), "draft_lm": (), "mtp": ()}
+
+
+def check_draft_decode(cfg: DictConfig) -> None:
+    """The decode settings the chosen draft kind's drafter accepts (decoding/drafters/)."""
+    kind, tree = cfg.draft.kind, cfg.decode.get("tree")
+    if kind not in TREE_KINDS:  # a draft kind of the user's own: its drafter checks at decode
+        return
+    if tree is not None and tree.kind not in TREE_KINDS[kind]:
+        fits = [f"decode=tree_{t}" for t in TREE_KINDS[kind]] + ["decode=chain"]
+        raise ValueError(
+            f"draft={kind} cannot draft decode.tree.kind={tree.kind} trees "
+            f"(decoding/drafters/{kind}.py); use {' or '.join(fits)}"
+        )
+    if kind == "mtp" and not cfg.draft.model.recursive_last:
+        # decoding/drafters/mtp.py: one module per draft token unless the last one recurs.
+        depths = cfg.draft.model.num_depths
+        ks = [] if tree is not None else [("decode.k", cfg.decode.k)]
+        if tree is None and cfg.decode.get("adaptive_k"):  # k grows up to 2k (decoding/spec.py)
+            ks = [("2 * decode.k (the adaptive_k ceiling)", 2 * cfg.decode.k)]
+        if cfg.get("replay") is not None and cfg.replay.enabled:
+            ks.append(("replay.k", cfg.replay.k))
+        for key, k in ks:
+            if k > depths:
+                raise ValueError(
+                    f"{key}={k} drafts per round but the MTP draft has draft.model.num_depths="
+                    f"{depths} modules and recursive_last=false; use k <= {depths}, more "
+                    "num_depths, or draft.model.recursive_last=true"
+                )
+
+
 def check_replay(replay: DictConfig) -> None:
     """The settings of on-policy replay rollouts (train/replay.py)."""
     args = OmegaConf.to_container(replay, resolve=True)
@@ -122,6 +155,7 @@ def check_settings(cfg: DictConfig) -> None:
     check_train(cfg.train)
     check_loss_and_optim(cfg)
     check_decode(cfg.decode)
+    check_draft_decode(cfg)
     if cfg.train.eval_at_ckpt and not cfg.data.num_eval >= 1:
         raise ValueError(
             "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"

@@ -1,0 +1,46 @@
+"""Export a trained draft checkpoint in a layout a serving engine loads (train/export.py).
+
+    python scripts/export.py runs/distill_kl/seed0/checkpoints/step_00000120 --format hf --out out/draft
+    python scripts/export.py CKPT --format medusa --out out/medusa           # FasterDecoding/Medusa
+    python scripts/export.py CKPT --format vllm-medusa --out out/vllm_medusa # vLLM's Medusa
+    python scripts/export.py CKPT --format hf --out out/medusa2_target       # Medusa-2: merged target
+
+CKPT is a `<run_dir>/checkpoints/step_N` directory; the run's config.yaml names the target.
+Formats, what each engine needs and what is refused: docs/export.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from anywhere
+
+from train.export import FORMATS, ExportError, export, load_run_draft  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "checkpoint", type=Path, metavar="CKPT", help="<run_dir>/checkpoints/step_N"
+    )
+    parser.add_argument("--format", required=True, choices=FORMATS, help="see docs/export.md")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
+    parser.add_argument("--device", default="cpu", help="where to load the target (default cpu)")
+    args = parser.parse_args(argv)
+    draft, target = load_run_draft(args.checkpoint, device=args.device)
+    try:
+        out = export(draft, target, args.format, args.out, overwrite=args.overwrite)
+    except ExportError as err:
+        sys.exit(f"export refused, nothing written: {err}")
+    print(f"{args.format} export of {args.checkpoint} -> {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""Export a trained draft in a layout a serving engine loads (docs/export.md).
+
+    python scripts/export.py runs/distill_kl/seed0/checkpoints/step_00000120 --format hf --out out/draft
+    python scripts/export.py CKPT --format medusa --out out/medusa        # FasterDecoding/Medusa
+    python scripts/export.py CKPT --format vllm-medusa --out out/medusa   # vLLM's Medusa
+
+Formats, one plain function each (`export_hf`, `export_medusa`, `export_vllm_medusa`):
+  hf           a distilled draft LM as a `save_pretrained` directory with the target's
+               tokenizer (HF `assistant_model`, vLLM `draft_model`, SGLang standalone); for a
+               Medusa-2 checkpoint, the merged (LoRA-adapted) target the heads were trained on.
+  medusa       the Medusa repository's layout: `config.json` (`medusa_num_heads`,
+               `medusa_num_layers`, `base_model_name_or_path`) and `medusa_lm_head.safetensors`
+               with `{i}.{j}.linear.weight/bias` (block j of head i) and `{i}.{L}.weight` (head
+               i's output layer, [V, H]); the layout of FasterDecoding/Medusa's
+               `MedusaModel.medusa_head` (`Sequential(ResBlock * L, Linear(H, V, bias=False))`).
+  vllm-medusa  vLLM's Medusa layout (vllm/model_executor/models/medusa.py,
+               vllm/transformers_utils/configs/medusa.py): `config.json` with `model_type:
+               medusa`, `architectures: ["MedusaModel"]`, `num_heads`, `num_hidden_layers`,
+               `hidden_size`, `vocab_size`, `truncated_vocab_size`, `medusa_fc_bias: true`, and
+               `model.safetensors` with `blocks.{i}.layers.{j}.weight/bias`, `lm_heads.{i}.weight`.
+Both Medusa formats hold one output layer per head: with `head_init=shared` it is the
+target's own lm_head, written once per head (neither engine shares one head across heads in
+every version). A Medusa-2 checkpoint also gets `merged_target/` (an `hf` directory of the
+adapted target) and `base_model_name_or_path` points there: its heads read the adapted model.
+
+Refused, nothing written: `mtp` (no engine serves MTP heads for a Llama target), `eagle` /
+`speculators` (draftlab's EAGLE head is not yet in the served layout, issue #16 part 1),
+a draft that does not fit the format, a vocabulary that is not the target's, NaN/Inf
+weights, a shared target head with a bias (Medusa engines' output layers have none),
+Medusa-repository heads with more than one block per head (that repository repeats ONE
+block L times, `[ResBlock(H)] * L`, so independent blocks cannot be expressed), and an
+existing non-empty output directory unless `overwrite`. Every export is written into a
+temporary directory beside `out`, read back and checked for every key and config field its
+format requires, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra.utils
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from models.draft_lm import DraftLM
+from models.eagle import EagleDraft
+from models.medusa import MedusaHeads
+from models.mtp import MTP
+from models.target import Target
+from train.checkpoint import load_draft
+
+FORMATS = ("hf", "medusa", "vllm-medusa", "mtp", "eagle", "speculators")
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+VLLM_WEIGHTS = "model.safetensors"
+MERGED_TARGET = "merged_target"
+# Config fields each format's loader reads (Medusa: MedusaConfig in medusa/model/medusa_model.py;
+# vLLM: MedusaConfig in vllm/transformers_utils/configs/medusa.py and the Medusa model).
+MEDUSA_CONFIG_FIELDS = ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path")
+VLLM_MEDUSA_CONFIG_FIELDS = (
+    "model_type",
+    "architectures",
+    "num_heads",
+    "num_hidden_layers",
+    "hidden_size",
+    "vocab_size",
+    "truncated_vocab_size",
+    "medusa_fc_bias",
+)
+HF_CONFIG_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size")
+
+
+class ExportError(ValueError):
+    """The draft cannot be exported in the asked format; nothing was written."""
+
+
+# -- the expected layouts (the tests name them too) ------------------------------------------
+def medusa_keys(num_heads: int, num_layers: int) -> set[str]:
+    """Keys of FasterDecoding/Medusa's `medusa_head` state dict."""
+    keys = {f"{i}.{num_layers}.weight" for i in range(num_heads)}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            keys |= {f"{i}.{j}.linear.weight", f"{i}.{j}.linear.bias"}
+    return keys
+
+
+def vllm_medusa_keys(num_heads: int, num_layers: int) -> set[str]:
+    """Parameter names of vLLM's `Medusa` module with `medusa_fc_bias: true`."""
+    keys = {f"lm_heads.{i}.weight" for i in range(num_heads)}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            keys |= {f"blocks.{i}.layers.{j}.weight", f"blocks.{i}.layers.{j}.bias"}
+    return keys
+
+
+# -- checks shared by every format -----------------------------------------------------------
+def check_finite(state: dict[str, Tensor], what: str) -> None:
+    bad = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise ExportError(
+            f"{what} has NaN/Inf weights in {bad[:5]}{' ...' if len(bad) > 5 else ''}; "
+            "export an earlier checkpoint of the run (scripts/compare.py shows its losses)"
+        )
+
+
+def check_vocab(draft_vocab: int, target: Target, what: str) -> None:
+    if draft_vocab != target.vocab_size:
+        raise ExportError(
+            f"{what} predicts {draft_vocab} tokens but the target {target.name!r} has "
+            f"{target.vocab_size}: engines verify draft ids as target ids, so the vocabularies "
+            "must be the same; export against the target the draft was trained for"
+        )
+
+
+def read_back(out: Path, weights: str, config_fields: tuple[str, ...]) -> tuple[set[str], dict]:
+    """The key set of `out/weights` and `out/config.json`, refusing a missing config field."""
+    config = json.loads((out / "config.json").read_text())
+    missing = [f for f in config_fields if f not in config]
+    if missing:
+        raise ExportError(f"written config.json lacks {missing} (an exporter bug)")
+    with safe_open(str(out / weights), framework="pt") as f:
+        keys = set(f.keys())
+    return keys, config
+
+
+def check_keys(got: set[str], expected: set[str], what: str) -> None:
+    if got != expected:
+        raise ExportError(
+            f"{what}: missing {sorted(expected - got)[:5]}, unexpected "
+            f"{sorted(got - expected)[:5]} (an exporter bug)"
+        )
+
+
+# -- hf ----------------------------------------------------------------------------------------
+def hf_model(draft: nn.Module, target: Target) -> nn.Module:
+    """The plain HF causal LM a draft exports as: a draft LM (LoRA merged), or Medusa-2's
+    merged target."""
+    if isinstance(draft, DraftLM):
+        model = draft.causal_lm()
+        if model is not draft.model:  # peft-wrapped: merge the adapters into a copy
+            model = copy.deepcopy(draft.model).merge_and_unload()
+        return model
+    if isinstance(draft, MedusaHeads) and draft.adapted is not None:
+        return draft.merged_target(target).model
+    raise ExportError(
+        f"--format hf exports a distilled draft LM (draft=draft_lm) or Medusa-2's merged "
+        f"target (draft=medusa2); this checkpoint holds a {type(draft).__name__}. "
+        "Use --format medusa / vllm-medusa for Medusa heads."
+    )
+
+
+def export_hf(draft: nn.Module, target: Target, out: Path) -> None:
+    model = hf_model(draft, target)
+    check_vocab(model.get_output_embeddings().weight.shape[0], target, "the draft LM")
+    state = model.state_dict()
+    check_finite(state, "the draft LM")
+    model.save_pretrained(out, safe_serialization=True)
+    target.tokenizer.save_pretrained(out)
+    check_hf_dir(out, model, target)
+
+
+def check_hf_dir(out: Path, model: nn.Module, target: Target) -> None:
+    got, config = read_back(out, "model.safetensors", HF_CONFIG_FIELDS)
+    if config["vocab_size"] != target.vocab_size:
+        raise ExportError(f"written vocab_size {config['vocab_size']} != {target.vocab_size}")
+    expected = set(model.state_dict())
+    if config.get("tie_word_embeddings"):  # save_pretrained stores a tied head once
+        expected -= {"lm_head.weight"}
+    check_keys(got, expected, "model.safetensors")
+    if not (out / "tokenizer_config.json").is_file():
+        raise ExportError("the target's tokenizer was not written (an exporter bug)")
+
+
+# -- Medusa ------------------------------------------------------------------------------------
+def medusa_tensors(heads: MedusaHeads, target: Target) -> list[tuple[list[Tensor], list[Tensor]]]:
+    """Per head: ([W_0 [H, H], b_0 [H], W_1, b_1, ...] of its blocks, [output weight [V, H]]),
+    fp32 on the CPU, after the checks both Medusa formats share."""
+    if not isinstance(heads, MedusaHeads):
+        raise ExportError(
+            f"--format medusa / vllm-medusa exports Medusa heads (draft=medusa or medusa2); "
+            f"this checkpoint holds a {type(heads).__name__}"
+        )
+    check_vocab(heads.vocab_size, target, "the Medusa heads")
+    if heads.out is None and target.lm_head.bias is not None:
+        raise ExportError(
+            "the heads share the target's lm_head, which has a bias; Medusa engines' "
+            "output layers have none, so the exported heads would not be the trained ones"
+        )
+    result = []
+    for i in range(heads.num_heads):
+        blocks = [t for block in heads.blocks[i] for t in (block.linear.weight, block.linear.bias)]
+        out_w = heads.out[i].weight if heads.out is not None else target.lm_head.weight
+        # A copy per head: safetensors stores no shared storage, and each engine wants its own.
+        copies = [t.detach().to("cpu", torch.float32, copy=True) for t in (*blocks, out_w)]
+        result.append((copies[:-1], copies[-1:]))
+    check_finite(
+        {f"head{i}.{n}": t for i, (b, o) in enumerate(result) for n, t in enumerate(b + o)},
+        "the Medusa heads",
+    )
+    return result
+
+
+def base_model_path(heads: MedusaHeads, target: Target, out_final: Path, tmp: Path) -> str:
+    """Where the engine loads the target from; Medusa-2 writes its merged target beside."""
+    if heads.adapted is not None:
+        export_hf(heads, target, tmp / MERGED_TARGET)
+        return str((out_final / MERGED_TARGET).resolve())
+    return str(getattr(target.model.config, "_name_or_path", "") or target.name)
+
+
+def export_medusa(heads: MedusaHeads, target: Target, out: Path, final: Path) -> None:
+    tensors = medusa_tensors(heads, target)
+    num_layers = len(heads.blocks[0])
+    if num_layers > 1:
+        for i, (blocks, _) in enumerate(tensors):
+            if any(not torch.equal(blocks[2 * j], blocks[0]) for j in range(1, num_layers)):
+                raise ExportError(
+                    f"head {i} has {num_layers} independent residual blocks, but the Medusa "
+                    "repository builds each head from ONE block repeated ([ResBlock(H)] * L), "
+                    "so it cannot load them; use --format vllm-medusa (independent blocks)"
+                )
+    state = {}
+    for i, (blocks, (out_w,)) in enumerate(tensors):
+        for j in range(num_layers):
+            state[f"{i}.{j}.linear.weight"] = blocks[2 * j]
+            state[f"{i}.{j}.linear.bias"] = blocks[2 * j + 1]
+        state[f"{i}.{num_layers}.weight"] = out_w
+    config = {
+        "medusa_num_heads": heads.num_heads,
+        "medusa_num_layers": num_layers,
+        "base_model_name_or_path": base_model_path(heads, target, final, out),
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+    }
+    save_file(state, str(out / MEDUSA_WEIGHTS))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    target.tokenizer.save_pretrained(out)  # the Medusa repo's training script saves it too
+    got, _ = read_back(out, MEDUSA_WEIGHTS, MEDUSA_CONFIG_FIELDS)
+    check_keys(got, medusa_keys(heads.num_heads, num_layers), MEDUSA_WEIGHTS)
+
+
+def export_vllm_medusa(heads: MedusaHeads, target: Target, out: Path, final: Path) -> None:
+    tensors = medusa_tensors(heads, target)
+    num_layers = len(heads.blocks[0])
+    state = {}
+    for i, (blocks, (out_w,)) in enumerate(tensors):
+        for j in range(num_layers):
+            state[f"blocks.{i}.layers.{j}.weight"] = blocks[2 * j]
+            state[f"blocks.{i}.layers.{j}.bias"] = blocks[2 * j + 1]
+        state[f"lm_heads.{i}.weight"] = out_w
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "num_heads": heads.num_heads,
+        "num_hidden_layers": num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "truncated_vocab_size": target.vocab_size,  # full vocabulary: no token_map
+        "medusa_fc_bias": True,  # vLLM's blocks have no bias unless this is set
+        "base_model_name_or_path": base_model_path(heads, target, final, out),
+    }
+    save_file(state, str(out / VLLM_WEIGHTS))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    got, _ = read_back(out, VLLM_WEIGHTS, VLLM_MEDUSA_CONFIG_FIELDS)
+    check_keys(got, vllm_medusa_keys(heads.num_heads, num_layers), VLLM_WEIGHTS)
+
+
+# -- refusals ----------------------------------------------------------------------------------
+def refuse(fmt: str, draft: nn.Module) -> None:
+    if fmt == "mtp" or isinstance(draft, MTP):
+        raise ExportError(
+            "MTP heads are not exported: no serving engine runs MTP heads for a Llama-style "
+            "target (vLLM and SGLang serve only the DeepSeek-V3 / Qwen native MTP layers of "
+            "those models). Evaluate it with scripts/evaluate.py instead."
+        )
+    if fmt in ("eagle", "speculators") or isinstance(draft, EagleDraft):
+        raise ExportError(
+            "draftlab's EAGLE head is not yet in the served layout (issue #16 part 1: fc over "
+            "raw taps, [embedding, feature] input, residual = fused feature), so no renaming of "
+            "its weights loads in vLLM / SGLang / EAGLE; nothing was written"
+        )
+
+
+# -- the entry point ---------------------------------------------------------------------------
+def export(
+    draft: nn.Module, target: Target, fmt: str, out: str | Path, overwrite: bool = False
+) -> Path:
+    """Write `draft` (for `target`) in format `fmt` to `out` atomically; returns `out`."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r}: use one of {FORMATS}")
+    refuse(fmt, draft)
+    writers: dict[str, Callable[[Path, Path], None]] = {
+        "hf": lambda tmp, final: export_hf(draft, target, tmp),
+        "medusa": lambda tmp, final: export_medusa(draft, target, tmp, final),
+        "vllm-medusa": lambda tmp, final: export_vllm_medusa(draft, target, tmp, final),
+    }
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(
+            f"{out} exists and is not empty; pass --overwrite to replace it, or another --out"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        with torch.no_grad():
+            writers[fmt](tmp, out)
+        if out.exists():  # --overwrite (or an empty dir): swap, never half-replace
+            old = out.parent / f".tmp-old-{out.name}-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_run_draft(ckpt: str | Path, device: str = "cpu") -> tuple[nn.Module, Target]:
+    """A checkpoint `<run_dir>/checkpoints/step_N` -> (draft, target from the run's config)."""
+    ckpt = Path(ckpt)
+    config = ckpt.parent.parent / "config.yaml"
+    if not (ckpt / "draft.yaml").is_file() or not config.is_file():
+        raise FileNotFoundError(
+            f"{ckpt} is not a checkpoint inside its run directory (need draft.yaml there and "
+            f"{config}); give <run_dir>/checkpoints/step_N"
+        )
+    cfg = OmegaConf.load(config)
+    cfg.target.device = device
+    node = OmegaConf.to_container(cfg.target, resolve=True)
+    target = hydra.utils.get_method(node.pop("_target_"))(**node)
+    return load_draft(ckpt, target).eval(), target
