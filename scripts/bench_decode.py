@@ -57,6 +57,7 @@ from decoding.drafters import make_drafter  # noqa: E402
 from decoding.drafters.draft_lm import DraftLMDrafter  # noqa: E402
 from decoding.drafters.ngram import NgramDrafter  # noqa: E402
 from decoding.metrics import greedy_match  # noqa: E402
+from decoding.rounds import sync  # noqa: E402
 from decoding.spec import generate  # noqa: E402
 from decoding.tree import TreeSpec  # noqa: E402
 from models import eagle, medusa  # noqa: E402
@@ -211,11 +212,6 @@ def ours_method(
     return fn
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_interleaved(
     methods: dict[str, Method], prompts: list[torch.Tensor], warm: torch.Tensor, repeats: int
 ) -> dict[str, list[list[dict]]]:
@@ -276,7 +272,8 @@ def summarize(runs: dict[str, list[list[dict]]], greedy: bool) -> list[dict]:
         if "loop_s" in calls[0]:  # our loop's own time split
             loop_s = sum(c["loop_s"] for c in calls)
             row["overhead_share"] = sum(c["overhead_s"] for c in calls) / loop_s
-            row["draft_share"] = sum(c["draft_s"] for c in calls) / sum(c["total_s"] for c in calls)
+            # Same as decoding/metrics.py's draft_time_share: both prefills left out.
+            row["draft_share"] = sum(c["draft_s"] for c in calls) / loop_s
             row["ms_per_round"] = 1e3 * loop_s / row["verify_forwards"]
             nodes = sum(c["tree_nodes"] for c in calls)
             row["tree_size"] = nodes / row["drafted_forwards"] if nodes else None

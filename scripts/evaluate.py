@@ -32,21 +32,18 @@ import time
 from pathlib import Path
 
 import hydra.utils
-import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
 
-from decoding.drafter import Sampling  # noqa: E402
-from decoding.rounds import check_inputs  # noqa: E402
-from models.dtypes import resolve_dtype  # noqa: E402
 from models.target import Target  # noqa: E402
 from train.checkpoint import PREFIX, latest_checkpoint, load_draft  # noqa: E402
 from train.data.chat import resolve_chat_template, tokenize_conversation  # noqa: E402
 from train.data.prepare import prepare_data  # noqa: E402
 from train.evaluate import evaluate_checkpoint, format_eval_table  # noqa: E402
+from train.settings import check_decode  # noqa: E402
 
 TREE_SHORTHANDS = {"static": "tree_static", "dynamic": "tree_dynamic"}
 
@@ -129,31 +126,6 @@ def run_config(run_dir: Path, args: argparse.Namespace) -> DictConfig:
         cfg.device = args.device
         cfg.target.device = args.device
     return cfg
-
-
-def check_decode(cfg: DictConfig, target: Target) -> None:
-    """decoding's own input checks (k, sampling, max_new_tokens), before any prompt is
-    prepared or decoded."""
-    dec = cfg.decode
-    resolve_dtype(dec.get("dtype", "bfloat16"))
-    if dec.get("num_prompts") is not None and int(dec.num_prompts) < 1:
-        raise ValueError(f"--num-prompts must be >= 1, got {dec.num_prompts}")
-    one_token = torch.zeros((1, 1), dtype=torch.long, device=target.device)  # [1, 1]
-    for temperature in dec.get("temperatures", [0.0]):
-        sampling = Sampling(
-            temperature=float(temperature),
-            top_k=int(dec.get("top_k", 0)),
-            top_p=float(dec.get("top_p", 1.0)),
-        )
-        check_inputs(
-            target,
-            one_token,
-            None,
-            int(dec.get("k", 4)),
-            sampling,
-            int(dec.get("max_new_tokens", 64)),
-            None,
-        )
 
 
 def load_prompts(path: Path, target: Target, chat_template: str | None) -> list[dict]:
@@ -259,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     node = OmegaConf.to_container(cfg.target, resolve=True)
     target = hydra.utils.get_method(node.pop("_target_"))(**node)
     progress(f"target {target.name} on {target.device} ({time.perf_counter() - t0:.1f}s)")
-    check_decode(cfg, target)
+    check_decode(cfg.decode)  # the same start-up checks as training (train/settings.py)
     if args.prompts is not None:
         eval_prompts = load_prompts(args.prompts, target, cfg.data.get("chat_template"))
         source = str(args.prompts)
