@@ -1,16 +1,41 @@
-"""EAGLE feature heads: EAGLE-1 (Li et al., 2024) and EAGLE-3 (Li et al., 2025) style.
+"""EAGLE feature heads in the layout serving engines load: EAGLE-3 (Li et al., 2025; vLLM
+`llama_eagle3.py`, SGLang `llama_eagle3.py`, speculators `Eagle3DraftModel`, SpecForge
+`LlamaForCausalLMEagle3`) and EAGLE-1 (Li et al., 2024; vLLM `llama_eagle.py`).
 
-One decoder layer that runs autoregressively in the target's feature space.
+One decoder layer that runs autoregressively in the target's feature space. Inputs at
+position t: a feature g_t and the embedding e = emb(x_{t+1}) of the NEXT token.
 
-Inputs at position t: a feature g_t and the embedding of the NEXT token x_{t+1}:
-  EAGLE-1: g_t = f_t, the target's last hidden state after the final norm (layer -1);
-           concat(g_t, emb(x_{t+1})) -> Linear(2H->H) -> decoder layer -> predicted f_{t+1},
-           logits = frozen target lm_head(f_{t+1}); aux loss = SmoothL1(f_{t+1}^, f_{t+1}).
-  EAGLE-3: g_t = Linear(3H->H)(concat(low, mid, high target layers)); RMSNorm on g and on
-           emb (as EAGLE-3 does) -> concat -> Linear(2H->H) -> decoder layer -> own RMSNorm
-           -> head over the reduced draft vocabulary; token loss only.
-The layer's output h_{t+1} is "the draft's feature at t+1": its logits predict x_{t+2}, i.e.
-the target's distribution at position t+1 -> offset 1 (models/protocol.py).
+EAGLE-3 (`style="eagle3"`, draft=eagle):
+    g   = fc(cat(h_low, h_mid, h_high))                 # Linear(3H->H), no bias, raw taps
+    x   = cat(input_layernorm(e), hidden_norm(g))       # [.., 2H], embedding FIRST
+    h   = g + o_proj(attn(q/k/v_proj(x)))               # q/k/v take 2H; residual = raw g
+    h   = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))                           # over the draft vocabulary (d2t/t2d)
+  `norm_before_residual` = false (the residual is g, not hidden_norm(g)). The next step's
+  feature is h itself (pre-norm), as in every engine.
+EAGLE-1 (`style="eagle1"`, draft=eagle1):
+    x   = fc(cat(e, f_t))                               # Linear(2H->H), no bias, embedding first
+    h   = x + o_proj(attn(x))                           # no input_layernorm (vLLM: Identity)
+    h   = h + mlp(post_attention_layernorm(h))
+    logits = target lm_head(h)                          # no final norm, full vocabulary
+  f_t is the target's last hidden state after the final norm (layer -1); aux loss =
+  feature_loss_weight * SmoothL1(h, f_{t+1}).
+Parameter names follow the served state_dict: `fc`, `layers.0.{input_layernorm, hidden_norm,
+self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}`, `norm`,
+`lm_head` (train_head only), `d2t`, `t2d` (train/export_eagle.py writes and reads them).
+
+Tap scale (EAGLE-3). The taps are pre-norm residual streams whose sizes differ per layer
+(SmolLM2, per-token RMS away from position 0: 3.0 / 6.7 / 21 at hidden_states 2 / 15 / 27;
+position 0 carries the attention-sink massive activations, RMS ~940, entries in the
+hundreds). Engines fuse the raw taps, so per-token normalisation (what this head did before)
+cannot be served; `norm_before_fc` / `fc_norm` exist in speculators and recent vLLM only, not
+in SGLang or older vLLM. Instead `fc` sees each tap times a FIXED scalar `tap_scale[i]` =
+1 / (median per-token RMS of tap i, measured once on a probe at construction,
+models/eagle_init.py): a linear reparametrisation that export folds into the served weight
+(fc.weight[:, block i] * tap_scale[i]), so training sees unit-size taps (balanced Adam steps
+across taps, g ~ unit RMS at init) and the served maths is the plain layout. Position 0
+keeps its large g (its residual dominates its own logits only; its keys come from the
+normalised x).
 
 Training-time test (unroll `ttt_steps` = n): step s = 0..n-1 at anchor t sits at sequence
 position t+s, reads (h^{s-1}_t, emb(x_{t+s+1})) -- the draft's OWN hidden output of the
@@ -31,9 +56,9 @@ first use. `vocab_size="full"` keeps the full head.
 
 Frozen pieces: embedding and output head are read from `target` at call time (not trained,
 not in the checkpoint); the reduced head is the target's lm_head rows at the draft ids.
-`train_head=True` gives a trained copy of those rows instead. The decoder layer's config
-copies hidden size, heads, intermediate size, rope settings and max_position_embeddings
-from the target. The default taps, the vocabulary map and the identity init are in
+`train_head=True` gives a trained copy of those rows instead. The layer's config copies
+hidden size, heads, intermediate size, rope settings and max_position_embeddings from the
+target. The default taps, tap scale, vocabulary map and identity init are in
 models/eagle_init.py; the decoder's drafter is decoding/drafters/eagle.py.
 """
 
@@ -44,16 +69,64 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
+    LlamaAttention,
+    LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
 
-from models.eagle_init import build_vocab_map, default_eagle3_layers, identity_init
+from models.eagle_init import (
+    build_vocab_map,
+    default_eagle3_layers,
+    identity_init,
+    measure_tap_scale,
+)
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
 
 STYLES = ("eagle1", "eagle3")
+# Top-level names of the layout before the served one (issue #16): such a checkpoint cannot
+# be mapped onto this module (q/k/v had H inputs after an `input_proj`).
+PRE_SERVED_KEYS = ("fuse", "input_proj", "layer", "feature_norm", "embed_norm")
+
+
+class EagleLayer(nn.Module):
+    """The draft's decoder layer, served layout. EAGLE-3: q/k/v read cat(input_layernorm(
+    embedding), hidden_norm(feature)) (2H wide, as vLLM's / speculators' first layer), the
+    residual is the raw feature. EAGLE-1: a Llama layer without input_layernorm over the fc
+    output (vLLM replaces it by Identity)."""
+
+    def __init__(self, config: LlamaConfig, style: str):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.two_inputs = style == "eagle3"
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        if self.two_inputs:
+            D, bias = self.self_attn.head_dim, config.attention_bias
+            self.self_attn.q_proj = nn.Linear(2 * H, config.num_attention_heads * D, bias=bias)
+            self.self_attn.k_proj = nn.Linear(2 * H, config.num_key_value_heads * D, bias=bias)
+            self.self_attn.v_proj = nn.Linear(2 * H, config.num_key_value_heads * D, bias=bias)
+            self.input_layernorm = LlamaRMSNorm(H, eps=eps)  # on the token embedding
+            self.hidden_norm = LlamaRMSNorm(H, eps=eps)  # on the feature
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: Tensor,  # [B, P, H]: EAGLE-3 feature g (or the previous step's h); EAGLE-1 fc output
+        embeds: Tensor | None,  # [B, P, H] EAGLE-3: emb(next token); EAGLE-1: None (inside fc)
+        attention_mask: Tensor | None,  # [B|1, 1, P, kv] bool, True = attend
+        position_embeddings: tuple[Tensor, Tensor],
+        cache: DynamicCache,
+    ) -> Tensor:
+        x = hidden
+        if self.two_inputs:
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attn, _ = self.self_attn(
+            x, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
+        )
+        h = hidden + attn  # residual = the raw feature (norm_before_residual = false)
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, P, H]
 
 
 class EagleDraft(nn.Module):
@@ -81,6 +154,11 @@ class EagleDraft(nn.Module):
             raise ValueError(f"EAGLE style must be one of {STYLES}, got {style!r}")
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1 (1 = no training-time test), got {ttt_steps}")
+        if style == "eagle1" and len(hidden_layers) != 1:
+            raise ValueError(
+                f"EAGLE-1 reads one target feature (fc over [embedding, feature]); got "
+                f"layers={list(hidden_layers)}. Use layers=[-1], or style=eagle3 for several taps"
+            )
         if feature_loss_weight > 0 and tuple(hidden_layers) != (-1,):
             raise ValueError(
                 "feature regression needs the draft to predict the target's last feature: use "
@@ -109,17 +187,14 @@ class EagleDraft(nn.Module):
         # SDPA with our own boolean masks (the eager path would add a bool mask as numbers).
         self.config._attn_implementation = "sdpa"
         H = hidden_size
-        self.fuse = (
-            nn.Linear(len(self.hidden_layers) * H, H, bias=False)
-            if len(self.hidden_layers) > 1
-            else None
-        )
         if style == "eagle3":
-            self.feature_norm = LlamaRMSNorm(H, eps=rms_norm_eps)
-            self.embed_norm = LlamaRMSNorm(H, eps=rms_norm_eps)
+            self.fc = nn.Linear(len(self.hidden_layers) * H, H, bias=False)  # over the taps
+            # Fixed per-tap input scale, folded into fc.weight at export (module docstring).
+            self.register_buffer("tap_scale", torch.ones(len(self.hidden_layers)))
             self.norm = LlamaRMSNorm(H, eps=rms_norm_eps)  # before the head (EAGLE-1 has none)
-        self.input_proj = nn.Linear(2 * H, H, bias=style == "eagle1")  # EAGLE-1's fc has a bias
-        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
+        else:
+            self.fc = nn.Linear(2 * H, H, bias=False)  # over [embedding, feature]
+        self.layers = nn.ModuleList([EagleLayer(self.config, style)])
         # Kept out of the module tree on purpose: `.to(bfloat16)` would round inv_freq and
         # shift every rotary angle; the rotary module casts inv_freq per call anyway.
         self.__dict__["rotary"] = LlamaRotaryEmbedding(self.config)
@@ -134,6 +209,16 @@ class EagleDraft(nn.Module):
             self.register_buffer("t2d", t2d)
             self.register_load_state_dict_post_hook(_check_loaded_mapping)
         self.vocab_coverage = 1.0  # share of trained label tokens inside the draft vocab
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        old = sorted({key.split(".")[0] for key in state_dict} & set(PRE_SERVED_KEYS))
+        if old:
+            raise ValueError(
+                f"this EAGLE checkpoint was trained with the pre-served layout (keys {old}: "
+                "input_proj after per-tap RMS norms, H-wide q/k/v); the served layout "
+                "(models/eagle.py) cannot load it. Retrain the draft."
+            )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- vocabulary --------------------------------------------------------------
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
@@ -188,25 +273,26 @@ class EagleDraft(nn.Module):
 
     # -- the blocks shared by training and drafting --------------------------------
     def fuse_features(self, hidden: dict[int, Tensor]) -> Tensor:
-        """Target hidden layers -> the draft's input feature g [B, T, H]."""
+        """Target hidden layers -> the draft's step-0 feature [B, T, H]: EAGLE-3's g =
+        fc(scaled taps); EAGLE-1's f (the fc over [embedding, f] runs in `step`)."""
         missing = [layer for layer in self.hidden_layers if layer not in hidden]
         if missing:
             raise ValueError(
                 f"target output lacks hidden layers {missing}; run the target with "
                 f"hidden_layers={self.hidden_layers}"
             )
-        dtype = self.input_proj.weight.dtype
-        if self.fuse is None:
+        dtype = self.fc.weight.dtype
+        if self.style == "eagle1":
             return hidden[self.hidden_layers[0]].to(dtype)
-        # Pre-norm taps carry massive activations (SmolLM2 layers 15/27: RMS ~150, single
-        # entries ~22000), which would swamp the fuse's gradients: RMS-normalise each tap
-        # first (parameter-free; a departure from EAGLE-3, which fuses raw states).
-        feats = [_rms(hidden[layer].float()).to(dtype) for layer in self.hidden_layers]
-        return self.fuse(torch.cat(feats, dim=-1))  # [B, T, H]
+        taps = [
+            (hidden[layer].float() * scale).to(dtype)
+            for layer, scale in zip(self.hidden_layers, self.tap_scale.float())
+        ]
+        return self.fc(torch.cat(taps, dim=-1))  # [B, T, H]
 
     def step(
         self,
-        feature: Tensor,  # [B, P, H]: fused target feature, or the draft's previous hidden
+        feature: Tensor,  # [B, P, H]: step-0 feature, or the draft's previous hidden
         token_embeds: Tensor,  # [B, P, H]: embedding of the token after each position
         positions: Tensor,  # [P] or [B, P] long
         cache: DynamicCache,
@@ -214,11 +300,11 @@ class EagleDraft(nn.Module):
     ) -> Tensor:
         """One pass of the decoder layer -> the draft's hidden output [B, P, H] (pre-norm)."""
         token_embeds = token_embeds.to(feature.dtype)
+        rope = self.rotary(feature, positions if positions.dim() == 2 else positions[None])
         if self.style == "eagle3":
-            feature, token_embeds = self.feature_norm(feature), self.embed_norm(token_embeds)
-        x = self.input_proj(torch.cat([feature, token_embeds], dim=-1))  # [B, P, H]
-        rope = self.rotary(x, positions if positions.dim() == 2 else positions[None])  # [B|1, P, D]
-        return self.layer(x, attention_mask=attention_mask, position_embeddings=rope, cache=cache)
+            return self.layers[0](feature, token_embeds, attention_mask, rope, cache)
+        x = self.fc(torch.cat([token_embeds, feature], dim=-1))  # [B, P, H]
+        return self.layers[0](x, None, attention_mask, rope, cache)
 
     def logits(self, h: Tensor, head_weight: Tensor) -> Tensor:
         """Draft hidden [B, P, H] -> logits over the draft vocabulary [B, P, V_draft]."""
@@ -293,10 +379,6 @@ class EagleDraft(nn.Module):
         return torch.stack(losses).mean()
 
 
-def _rms(x: Tensor, eps: float = 1e-6) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 def _check_loaded_mapping(module: EagleDraft, incompatible_keys) -> None:
     if not incompatible_keys.missing_keys:
         module.check_mapping()
@@ -331,8 +413,9 @@ def from_target(
     """Build an EAGLE draft sized from `target`. `layers`: target hidden_states indices to
     read (default: [-1] for EAGLE-1, low/mid/high for EAGLE-3). `vocab_size`: "full" or N
     (the N most frequent trained tokens; needs `token_counts` or a checkpoint's d2t/t2d).
-    `init`: "identity" starts the head as a pass-through of the deepest tapped feature (see
-    `models.eagle_init.identity_init`), "random" is plain random init."""
+    `init`: "identity" starts the head as a logit lens of the deepest tapped feature (see
+    `models.eagle_init.identity_init`), "random" is plain random init. EAGLE-3's tap scale
+    is measured on the target here (one short forward, `measure_tap_scale`)."""
     if init not in ("identity", "random"):
         raise ValueError(f"init must be 'identity' or 'random', got {init!r}")
     cfg = target.config
@@ -382,10 +465,11 @@ def from_target(
         counts = token_counts.double().cpu()
         draft.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1.0))
     with torch.no_grad():  # start from the target's own output geometry
-        if init == "identity":
-            identity_init(draft.input_proj, draft.fuse, draft.hidden_layers, draft.layer)
         if style == "eagle3":
+            draft.tap_scale.copy_(measure_tap_scale(target, draft.hidden_layers))
             draft.norm.weight.copy_(target.final_norm_weight)
+        if init == "identity":
+            identity_init(draft.fc, draft.hidden_layers, draft.layers[0], style)
         if draft.lm_head is not None:
             draft.lm_head.weight.copy_(_target_rows(draft, target))
     return draft.to(device=target.device)

@@ -1,9 +1,10 @@
-"""Evaluate a trained draft checkpoint with the shared decoder, outside training.
+"""Evaluate a trained draft checkpoint, or an imported draft, with the shared decoder.
 
     python scripts/evaluate.py runs/debug/seed0/checkpoints/step_00000002
     python scripts/evaluate.py runs/eagle_tv/seed0 --tree dynamic --temperatures 0 0.7 1.0
     python scripts/evaluate.py CKPT --prompts my_prompts.jsonl --k 6 --num-prompts 20 --out ev.json
     python scripts/evaluate.py CKPT --target-path /models/smollm2   # the target has moved
+    python scripts/evaluate.py --init-from out/medusa +experiment=medusa_kl   # an imported draft
 
 CKPT is a `<run_dir>/checkpoints/step_N` directory written by train/checkpoint.py, or a run
 directory (its newest checkpoint). The run's `config.yaml` (two levels above the checkpoint)
@@ -12,6 +13,12 @@ latter. With no flag this reproduces the run's own final evaluation of that chec
 exactly (same τ, α_i, acceptance histogram; only the timings, tokens/s and speedup, vary):
 both go through train.evaluate.evaluate_checkpoint, and the output has its keys
 ("greedy/tau", "T0.7/alpha", ..., defined in docs/design.md), without the training proxy's.
+
+`--init-from DIR` evaluates a draft saved in any format train/init_from.py reads (a
+checkpoint, or an hf / medusa / vllm-medusa / speculators / eagle export: docs/export.md,
+Import) without a run directory: the positional arguments are then Hydra overrides of
+conf/train.yaml (`+experiment=NAME`, `target=...`, `decode.k=...`), which build the target, the
+data and a draft of the right kind, and the files are loaded into that draft.
 
 Prompts: by default the run's held-out eval prompts, rebuilt by
 train.data.prepare.prepare_data from the run's data config (it reads the run's regeneration
@@ -32,6 +39,7 @@ import time
 from pathlib import Path
 
 import hydra.utils
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,6 +51,7 @@ from train.checkpoint import PREFIX, latest_checkpoint, load_draft  # noqa: E402
 from train.data.chat import resolve_chat_template, tokenize_conversation  # noqa: E402
 from train.data.prepare import prepare_data  # noqa: E402
 from train.evaluate import evaluate_checkpoint, format_eval_table  # noqa: E402
+from train.init_from import init_draft_from  # noqa: E402
 from train.settings import check_decode  # noqa: E402
 
 TREE_SHORTHANDS = {"static": "tree_static", "dynamic": "tree_dynamic"}
@@ -100,6 +109,11 @@ def run_config(run_dir: Path, args: argparse.Namespace) -> DictConfig:
     loader = str(cfg.target.get("_target_", ""))
     if loader.startswith("train.target."):  # runs written before the loaders moved to models/
         cfg.target._target_ = "models.target_loaders." + loader.removeprefix("train.target.")
+    return apply_flags(cfg, args)
+
+
+def apply_flags(cfg: DictConfig, args: argparse.Namespace) -> DictConfig:
+    """The command line's decoding, target and device flags, written over `cfg`."""
     dec = cfg.decode
     for key, value in [
         ("k", args.k),
@@ -126,6 +140,20 @@ def run_config(run_dir: Path, args: argparse.Namespace) -> DictConfig:
         cfg.device = args.device
         cfg.target.device = args.device
     return cfg
+
+
+def composed_config(overrides: list[str], args: argparse.Namespace) -> DictConfig:
+    """--init-from: conf/train.yaml with the command line's Hydra overrides, then its flags."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return apply_flags(compose("train", overrides=overrides), args)
+
+
+def imported_draft(cfg: DictConfig, path: Path, target: Target) -> torch.nn.Module:
+    """The draft cfg.draft builds for `target`, with the draft saved in `path` loaded into it."""
+    draft = hydra.utils.instantiate(cfg.draft.model, target=target, token_counts=None)
+    fmt = init_draft_from(path, draft, target)
+    progress(f"{path}: {fmt} format, loaded into draft={cfg.draft.kind}")
+    return draft.eval()
 
 
 def load_prompts(path: Path, target: Target, chat_template: str | None) -> list[dict]:
@@ -166,10 +194,19 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "checkpoint",
+        "positional",
+        nargs="*",
+        metavar="CKPT | OVERRIDE",
+        help=f"<run_dir>/checkpoints/{PREFIX}N, or a run directory (its newest checkpoint); "
+        "with --init-from: Hydra overrides of conf/train.yaml, e.g. +experiment=medusa_kl",
+    )
+    parser.add_argument(
+        "--init-from",
         type=Path,
-        metavar="CKPT",
-        help=f"<run_dir>/checkpoints/{PREFIX}N, or a run directory (its newest checkpoint)",
+        default=None,
+        metavar="DIR",
+        help="evaluate the draft saved in DIR (any format of docs/export.md, Import) in the draft "
+        "the overrides configure, without a run directory",
     )
     parser.add_argument(
         "--prompts",
@@ -224,9 +261,16 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = parser.parse_args(argv)
 
-    ckpt, run_dir = find_checkpoint(args.checkpoint)
-    cfg = run_config(run_dir, args)
-    progress(f"checkpoint {ckpt} (run {run_dir})")
+    ckpt = None
+    if args.init_from is not None:
+        cfg = composed_config(args.positional, args)
+        progress(f"draft.init_from={args.init_from}, draft={cfg.draft.kind}")
+    elif len(args.positional) == 1:
+        ckpt, run_dir = find_checkpoint(Path(args.positional[0]))
+        cfg = run_config(run_dir, args)
+        progress(f"checkpoint {ckpt} (run {run_dir})")
+    else:
+        parser.error("give one CKPT, or --init-from DIR followed by config overrides")
     t0 = time.perf_counter()
     node = OmegaConf.to_container(cfg.target, resolve=True)
     target = hydra.utils.get_method(node.pop("_target_"))(**node)
@@ -247,7 +291,10 @@ def main(argv: list[str] | None = None) -> dict:
                 "the run's data config holds no eval prompts (data.num_eval=0); "
                 "pass --prompts FILE.jsonl"
             )
-    draft = load_draft(ckpt, target).eval()
+    if ckpt is None:
+        draft = imported_draft(cfg, args.init_from, target)
+    else:
+        draft = load_draft(ckpt, target).eval()
     dec = cfg.decode
     num = min(int(dec.get("num_prompts") or len(eval_prompts)), len(eval_prompts))
     tree = dec.get("tree")
@@ -259,8 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     t0 = time.perf_counter()
     result, _ = evaluate_checkpoint(target, draft, eval_prompts, cfg, proxy=None)
-    meta = ckpt / "meta.json"  # the step, as the training run's eval records carry it
-    result["step"] = json.loads(meta.read_text())["step"] if meta.is_file() else None
+    meta = ckpt / "meta.json" if ckpt else None  # the step, as the run's eval records carry it
+    result["step"] = json.loads(meta.read_text())["step"] if meta and meta.is_file() else None
     progress(f"done in {time.perf_counter() - t0:.1f}s")
     print(format_eval_table([result]))
     if args.out is not None:

@@ -4,6 +4,8 @@
     python scripts/export.py CKPT --format medusa --out out/medusa           # FasterDecoding/Medusa
     python scripts/export.py CKPT --format vllm-medusa --out out/vllm_medusa # vLLM's Medusa
     python scripts/export.py CKPT --format hf --out out/medusa2_target       # Medusa-2: merged target
+    python scripts/export.py CKPT --format speculators --out out/eagle3      # EAGLE-3 for vLLM
+    python scripts/export.py CKPT --format eagle --out out/eagle3            # EAGLE-3: SGLang/SpecForge; EAGLE-1: vLLM
 
 CKPT is a `<run_dir>/checkpoints/step_N` directory; the run's config.yaml names the target.
 Formats, what each engine needs and what is refused: docs/export.md.

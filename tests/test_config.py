@@ -11,6 +11,7 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf
 
 import train.resolvers  # noqa: F401  (registers ${safe_dirname:}, as train.py does)
+from train.losses import LOSSES, loss_options
 from train.resolvers import MAX_DIRNAME
 from train.settings import check_settings
 
@@ -19,6 +20,7 @@ CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 # The experiments and the shared blocks they include (conf/experiment/base/).
 EXPERIMENT_FILES = sorted((CONF / "experiment").rglob("*.yaml"))
+LOSS_CONFIGS = sorted(p.stem for p in (CONF / "loss").glob("*.yaml"))
 
 
 def _compose(*overrides: str):
@@ -95,6 +97,14 @@ def test_experiment_sets_only_known_train_and_decode_keys(path):
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_passes_the_startup_checks(name):
     check_settings(_compose(f"+experiment={name}"))
+
+
+@pytest.mark.parametrize("name", LOSS_CONFIGS)
+def test_every_loss_config_composes_into_an_experiment(name):
+    cfg = _compose("+experiment=eagle_tv", f"loss={name}")
+    check_settings(cfg)
+    assert cfg.loss.name == name and name in LOSSES  # the file names its registered loss
+    loss_options(LOSSES[name], cfg.loss)  # every other key is an option of that loss
 
 
 # The README's own example (a local path) and a hub id: values with '/'.

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from train.data.chat import CHAT_TEMPLATES, resolve_chat_template, shift_mask, tokenize_conversation
-from train.data.corpus import embedded_conversations, held_out, parse_speeches
+from train.data.corpus import (
+    embedded_conversations,
+    held_out,
+    parse_speeches,
+    raw_chunk_conversations,
+    reference_conversations,
+)
 from train.data.prepare import collate, prepare_data
 
 CONV = [
@@ -227,6 +233,140 @@ def test_embedded_split_is_deterministic():
     b_train, b_eval, _ = embedded_conversations(12, 6, fits=lambda m: True, **kw)
     assert a_eval == b_eval and a_train == b_train
     assert len({c["unit"] for c in a_train + a_eval}) == 18  # each source unit used once
+
+
+@pytest.fixture(scope="module")
+def tiny_streams(tiny, tmp_path_factory):
+    """tiny_embedded's settings plus the two streams that are not regenerated."""
+    cache = tmp_path_factory.mktemp("regen")
+    return prepare_data(
+        tiny,
+        num_train=24,
+        num_eval=6,
+        num_reference=9,
+        num_raw_chunks=6,
+        max_new_tokens=8,
+        max_len=512,
+        regen_dtype="float32",
+        stdlib_files=20,
+        cache_dir=str(cache),
+        progress=False,
+    )
+
+
+def rows_of(data, stream: str) -> list[dict]:
+    return [r for r in data.train if r["stream"] == stream]
+
+
+def test_reference_and_raw_streams_train_only_their_answers(tiny, tiny_streams):
+    data, tok = tiny_streams, tiny.tokenizer
+    streams = data.stats["streams"]
+    assert {k: v["rows"] for k, v in streams.items()} == {"regen": 24, "reference": 9, "raw": 6}
+    for name, st in streams.items():
+        rows = rows_of(data, name)
+        assert st["tokens"] == sum(len(r["input_ids"]) for r in rows)
+        assert st["trained_tokens"] == sum(map(sum, (r["loss_mask"] for r in rows)))
+    assert sum(st["trained_tokens"] for st in streams.values()) == data.stats["trained_tokens"]
+    reference, raw = rows_of(data, "reference"), rows_of(data, "raw")
+    assert [r["category"] for r in reference] == ["code"] * 3 + ["prose"] * 3 + ["qa"] * 3
+    assert [r["category"] for r in raw] == ["code", "prose"] * 3
+    for r in reference + raw:
+        ids, mask = r["input_ids"], r["loss_mask"]
+        text = tok.decode(ids)
+        assert len(ids) <= 512 and mask[-1] == 0
+        # One user turn, one assistant turn: exactly the answer and its end-of-turn trained.
+        assert text.count("<|im_start|>assistant\n") == 1
+        answer = text.split("<|im_start|>assistant\n")[1].removesuffix("\n")
+        assert trained_text(tok, ids, mask) == answer
+        assert tok.decode(ids[: mask.index(1) + 1]).endswith("<|im_start|>assistant\n")
+    for r in raw:  # the chunk's first lines ask for its continuation, the rest is the answer
+        user = tok.decode(r["input_ids"]).split("<|im_start|>user\n")[1]
+        assert user.startswith("Continue this " + ("file" if r["category"] == "code" else "scene"))
+        assert sum(r["loss_mask"]) > 128  # raw chunks fill most of max_len
+
+
+def test_extra_streams_leave_regenerated_rows_and_eval_prompts_alone(tiny_embedded, tiny_streams):
+    regen = [(r["input_ids"], r["loss_mask"]) for r in rows_of(tiny_streams, "regen")]
+    assert regen == list(zip(tiny_embedded.train["input_ids"], tiny_embedded.train["loss_mask"]))
+    assert tiny_streams.eval_prompts == tiny_embedded.eval_prompts
+    # The same settings key: the same regeneration cache entry.
+    keys = [Path(d.stats["regen"]["cache"]).parent.name for d in (tiny_embedded, tiny_streams)]
+    assert keys[0] == keys[1]
+
+
+def test_every_stream_is_disjoint_from_eval_by_source_item(tiny_streams):
+    eval_groups = {p["group"] for p in tiny_streams.eval_prompts}
+    train_groups = set(tiny_streams.train["group"])
+    assert {g.split(":")[0] for g in train_groups} == {"humaneval", "play", "stdlib"}
+    assert not train_groups & eval_groups
+    assert not any(held_out(g, seed=0) for g in train_groups)
+    # At scale too: hundreds of chunks and references, none from a held-out group.
+    raw = raw_chunk_conversations(300, 0, 400, lambda lines: [len(x) + 1 for x in lines])
+    refs = reference_conversations(300, 0, lambda m: True, used_units=set())
+    assert len(raw) == len(refs) == 300
+    assert not any(held_out(c["group"], seed=0) for c in raw + refs)
+    assert len({c["unit"] for c in refs}) == 300  # each source unit once
+
+
+def test_extra_streams_are_deterministic_given_the_seed():
+    line_tokens = lambda lines: [len(x) + 1 for x in lines]  # noqa: E731
+    raw = [raw_chunk_conversations(8, s, 400, line_tokens) for s in (1, 1, 2)]
+    refs = [reference_conversations(9, s, lambda m: True, used_units=set()) for s in (1, 1, 2)]
+    assert raw[0] == raw[1] != raw[2] and refs[0] == refs[1] != refs[2]
+    # A unit the main rows used is never a reference row.
+    taken = {c["unit"] for c in refs[0]}
+    assert not taken & {c["unit"] for c in reference_conversations(9, 1, lambda m: True, taken)}
+
+
+def test_extra_streams_say_how_many_they_can_give(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"num_raw_chunks=100000: .* only \d+ chunks"):
+        raw_chunk_conversations(10**5, 0, 10**7, lambda lines: [1] * len(lines))
+    src = write_rows(tmp_path / "c.jsonl", [openai(i, f"answer {i}") for i in range(6)])
+    kw = {"source": str(src), "num_eval": 0, "num_train": 4, "regenerate": False}
+    data = prepare_data(tiny, num_reference=2, progress=False, **kw)
+    assert {k: v["rows"] for k, v in data.stats["streams"].items()} == {"source": 4, "reference": 2}
+    assert len({tuple(ids) for ids in data.train["input_ids"]}) == 6  # the 2 rows after the 4
+    with pytest.raises(ValueError, match="num_reference=3.*only 2 answered rows"):
+        prepare_data(tiny, num_reference=3, progress=False, **kw)
+
+
+def test_held_out_pool_gives_48_balanced_eval_prompts(smollm2_tokenizer):
+    """The recipe evaluates on >= 24 prompts: at the default settings the held-out pool has
+    at least 48, balanced."""
+    tok = smollm2_tokenizer
+
+    def fits(messages: list[dict]) -> bool:  # prepare_data's check at max_len 512
+        return len(tok.apply_chat_template(messages, add_generation_prompt=True)) <= 256
+
+    picks = embedded_conversations(0, 48, 0, fits, need_reference=False)[1]
+    assert [c["category"] for c in picks] == ["code"] * 16 + ["prose"] * 16 + ["qa"] * 16
+    assert len({c["unit"] for c in picks}) == 48
+    assert all(held_out(c["group"], seed=0) for c in picks)
+
+
+def test_default_regeneration_cache_key_is_unchanged(smollm2_tokenizer):
+    """The default data config keys SmolLM2's regeneration cache as before: a change here
+    would silently re-answer the 256 prompts (minutes) on every machine with a cache."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from train.data.regenerate import _sha, settings_key
+
+    cfg = OmegaConf.load(CONF / "data" / "default.yaml")
+    tok = smollm2_tokenizer
+    assert tok.convert_ids_to_tokens(2) == "<|im_end|>"  # SmolLM2's generation_config EOS
+    target = SimpleNamespace(name="smollm2-135m-instruct", tokenizer=tok, eos_token_ids=[2])
+    key = settings_key(
+        target,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_p,
+        cfg.seed,
+        resolve_chat_template(tok, cfg.chat_template),
+        cfg.regen_dtype,
+    )
+    assert _sha(key) == "fff452cf1ef00c83"
 
 
 def test_token_counts_and_lengths(tiny, tiny_embedded):

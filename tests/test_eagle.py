@@ -11,6 +11,7 @@ from models.eagle import EagleDraft, from_target
 from models.eagle_init import build_vocab_map
 from models.protocol import DraftOutput
 from models.target import TargetOutput
+from models.target_loaders import build_tiny_random
 from train.losses import forward_kl
 
 torch.set_num_threads(1)
@@ -99,7 +100,9 @@ def _reference_step1(draft, target, ids, t, token):
 
 
 def test_training_time_test_teacher_forces_ground_truth(tiny_target):
-    draft = _build(tiny_target, "eagle3", ttt_steps=2).eval()
+    # Random init: the identity init zeroes o_proj and down_proj, the only paths by which the
+    # served layout lets the token embedding reach h, so the fed token would not show.
+    draft = _build(tiny_target, "eagle3", ttt_steps=2, init="random").eval()
     ids = torch.randint(
         0, tiny_target.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2)
     )
@@ -310,3 +313,38 @@ def test_config_copies_target_positions(tiny_target):
     assert draft.hidden_layers == (2, 1, 1)  # low/mid/high taps of a 2-layer target
     draft_bf16 = _build(tiny_target, "eagle3").to(torch.bfloat16)
     assert draft_bf16.rotary.inv_freq.dtype == torch.float32  # rotary angles are not rounded
+
+
+def test_pre_served_checkpoint_is_refused_with_a_clear_message(tiny_target):
+    draft = _build(tiny_target, "eagle3")
+    old = {k: v for k, v in draft.state_dict().items() if not k.startswith("fc.")}
+    old["input_proj.weight"] = torch.zeros(64, 128)  # the layout before issue #16
+    old["fuse.weight"] = torch.zeros(64, 192)
+    with pytest.raises(ValueError, match="pre-served layout.*Retrain"):
+        draft.load_state_dict(old)
+
+
+def test_identity_init_is_the_logit_lens_of_the_deepest_tap():
+    """A fresh EAGLE-3 head: fc picks the (scaled) deepest tap, o_proj and down_proj are
+    zero, so step 0 gives lm_head(final_norm(h_deepest)) whatever the tap scale."""
+    target = build_tiny_random(seed=0, num_layers=8, device="cpu")
+    draft = from_target(target, None, ttt_steps=2, vocab_size="full")
+    assert draft.hidden_layers == (2, 4, 5)
+    ids = torch.randint(6, target.vocab_size, (1, 10), generator=torch.Generator().manual_seed(8))
+    out = target(ids, hidden_layers=draft.hidden_layers)
+    with torch.no_grad():
+        lens = target.lm_head(target.final_norm(out.hidden[5]))  # [1, T, V]
+        # (up to the norm's eps, which sees the tap times its scale)
+        torch.testing.assert_close(draft(target, ids, out).logits[0], lens, atol=1e-4, rtol=1e-4)
+
+
+def test_tap_scale_brings_each_tap_to_unit_size_by_a_power_of_two():
+    target = build_tiny_random(seed=0, num_layers=8, device="cpu")
+    draft = from_target(target, None, ttt_steps=1, vocab_size="full")
+    scale = draft.tap_scale
+    assert torch.equal(scale, torch.exp2(scale.log2().round()))  # exact to fold at export
+    ids = torch.randint(6, target.vocab_size, (2, 24), generator=torch.Generator().manual_seed(9))
+    out = target(ids, hidden_layers=draft.hidden_layers)
+    for layer, s in zip(draft.hidden_layers, scale):
+        rms = (out.hidden[layer][:, 1:] * s).pow(2).mean(-1).sqrt().median()
+        assert 0.5 <= float(rms) <= 2.0, (layer, float(rms))

@@ -160,8 +160,10 @@ def test_refusals_write_nothing(target, tmp_path):
     with pytest.raises(ExportError, match="no serving engine runs MTP"):
         export(_random_heads(target), target, "mtp", out)
     eagle_draft = eagle.from_target(target, vocab_size="full", ttt_steps=1)
-    for fmt in ("eagle", "speculators", "hf"):
-        with pytest.raises(ExportError, match="not yet in the served layout"):
+    with pytest.raises(ExportError, match="holds a EagleDraft"):
+        export(eagle_draft, target, "hf", out)
+    for fmt in ("eagle", "speculators"):  # the 2-layer target's taps (2, 1, 1) are not servable
+        with pytest.raises(ExportError, match="3 distinct taps"):
             export(eagle_draft, target, fmt, out)
     nan_heads = _random_heads(target)
     with torch.no_grad():

@@ -1,4 +1,5 @@
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -9,8 +10,12 @@ from decoding.verify import sampling_probs
 from train.losses import (
     LOSSES,
     acceptance_proxy,
+    ce_tv_mix,
     cross_entropy,
     forward_kl,
+    lk_alpha,
+    lk_lambda,
+    loss_options,
     reverse_kl,
     sampling_cutoffs,
     simulated_tau,
@@ -122,7 +127,7 @@ def test_finite_gradients_with_topk_masked_logits(name):
 def test_gradient_direction_reduces_loss():
     d, t = _logits(seed=3)
     mask = torch.ones(10)
-    for fn in [*DIVERGENCES, cross_entropy]:
+    for fn in [*DIVERGENCES, cross_entropy, lk_lambda, lk_alpha, ce_tv_mix]:
         x = d.clone().requires_grad_(True)
         loss = fn(x, t, mask)
         loss.backward()
@@ -286,3 +291,268 @@ def test_mask_out_of_vocab_drops_exactly_those_positions_from_the_loss():
     assert rec["alpha_T0.7"] == [pytest.approx(alpha_07.item(), abs=1e-6)]
     assert rec["sim_tau_T0.7"] == pytest.approx(simulated_tau(rec["alpha_T0.7"], 4))
     assert rec["alpha_T0.7"] != pytest.approx(rec["alpha"], abs=1e-3)  # not the T = 1 value
+
+
+# -- the TV family: LK^lambda, LK^alpha, DSpark's CE + TV mix --------------------------------
+
+TV_FAMILY = {
+    "lk": lk_lambda,
+    "lk_batch": partial(lk_lambda, alpha_mode="batch"),
+    "lk_alpha": lk_alpha,
+    "dspark": ce_tv_mix,
+}
+
+
+def test_tv_family_hand_computed_three_token_vocab():
+    # p = [.5, .3, .2], q = [.2, .3, .5]: alpha = .2 + .3 + .2 = 0.7, TV = 0.3,
+    # KL(p || q) = .5 log(.5/.2) + .3 log 1 + .2 log(.2/.5) = 0.3 log 2.5.
+    t_logits = torch.tensor([[0.5, 0.3, 0.2]]).log() + 4.0  # a shift changes nothing
+    d_logits = torch.tensor([[0.2, 0.3, 0.5]]).log()
+    mask = torch.ones(1)
+    alpha, tv, kl = 0.7, 0.3, 0.3 * math.log(2.5)
+    lam3, lam10 = math.exp(-3 * alpha), math.exp(-10 * alpha)
+    assert lk_lambda(d_logits, t_logits, mask).item() == pytest.approx(
+        lam3 * kl + (1 - lam3) * tv, abs=1e-6
+    )
+    assert lk_lambda(d_logits, t_logits, mask, eta=10.0).item() == pytest.approx(
+        lam10 * kl + (1 - lam10) * tv, abs=1e-6
+    )
+    assert lk_alpha(d_logits, t_logits, mask).item() == pytest.approx(-math.log(0.7), abs=1e-6)
+    # DSpark: CE on the target's argmax (token 0, q = .2) or a data label (token 1, q = .3).
+    dspark = 0.1 * -math.log(0.2) + 1.8 * tv
+    assert ce_tv_mix(d_logits, t_logits, mask).item() == pytest.approx(dspark, abs=1e-6)
+    mix = ce_tv_mix(d_logits, t_logits, mask, labels=torch.tensor([1]), tv_weight=0.9)
+    assert mix.item() == pytest.approx(0.1 * -math.log(0.3) + 0.9 * tv, abs=1e-6)
+    # A second row with q = p (alpha 1, KL 0, TV 0). Per position it adds 0 to the sum; with
+    # alpha_mode=batch both rows share lambda = exp(-3 * mean alpha) = exp(-3 * 0.85).
+    t2 = torch.cat([t_logits, d_logits])
+    d2 = torch.cat([d_logits, d_logits])
+    two = torch.ones(2)
+    assert lk_lambda(d2, t2, two).item() == pytest.approx((lam3 * kl + (1 - lam3) * tv) / 2)
+    lam_b = math.exp(-3 * 0.85)
+    assert lk_lambda(d2, t2, two, alpha_mode="batch").item() == pytest.approx(
+        (lam_b * kl + (1 - lam_b) * tv) / 2, abs=1e-6
+    )
+
+
+def test_tv_family_reduced_vocab_alpha_is_the_decoders():
+    # Full target p = [.4, .3, .2, .1]; the draft knows ids [0, 1, 2] with q = [.5, .25, .25].
+    # The decoder: alpha = min(.4, .5) + min(.3, .25) + min(.2, .25) = 0.85 (token 3 is always
+    # rejected). Renormalised over the draft ids, p = [4/9, 3/9, 2/9] gives alpha = 0.91667.
+    full = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log() + 2.0  # [1, V]: logsumexp 2, not 0
+    vocab_ids = torch.tensor([0, 1, 2])
+    t = full[:, vocab_ids]  # [1, Vd]
+    d = torch.tensor([[0.5, 0.25, 0.25]]).log()
+    mask, log_norm = torch.ones(1), full.logsumexp(-1)  # [1]
+    alpha, renorm_alpha = 0.85, 4 / 9 + 0.25 + 2 / 9
+    p_ren, q = [4 / 9, 3 / 9, 2 / 9], [0.5, 0.25, 0.25]
+    kl = sum(a * math.log(a / b) for a, b in zip(p_ren, q, strict=True))  # p renormalised
+    lam = math.exp(-3 * alpha)
+    got = lk_lambda(d, t, mask, target_log_norm=log_norm)
+    assert got.item() == pytest.approx(lam * kl + (1 - lam) * (1 - alpha), abs=1e-6)
+    assert lk_alpha(d, t, mask, target_log_norm=log_norm).item() == pytest.approx(
+        -math.log(alpha), abs=1e-6
+    )
+    assert ce_tv_mix(d, t, mask, target_log_norm=log_norm).item() == pytest.approx(
+        0.1 * -math.log(0.5) + 1.8 * (1 - alpha), abs=1e-6
+    )
+    # The same alpha as the logged proxy; without the normaliser, the renormalised value.
+    sampling = Sampling(temperature=1.0)
+    proxy = acceptance_proxy(d, t, mask, sampling, sampling_cutoffs(full, sampling))
+    assert lk_alpha(d, t, mask, target_log_norm=log_norm).item() == pytest.approx(
+        -math.log(proxy.item()), abs=1e-6
+    )
+    assert lk_alpha(d, t, mask).item() == pytest.approx(-math.log(renorm_alpha), abs=1e-6)
+    # `tv` keeps the loss's renormalised view: 1 - 0.91667, not the decoder's 0.15.
+    assert total_variation(d, t, mask).item() == pytest.approx(1 - renorm_alpha, abs=1e-6)
+
+
+def test_lk_lambda_is_kl_at_zero_alpha_and_tends_to_tv_as_eta_alpha_grows():
+    d, t = _logits(n=6, v=9, seed=6)
+    mask = torch.ones(6)
+    # eta = 0: lambda = 1 everywhere, exactly forward KL in value and gradient.
+    x, y = d.clone().requires_grad_(True), d.clone().requires_grad_(True)
+    lk, kl = lk_lambda(x, t, mask, eta=0.0), forward_kl(y, t, mask)
+    lk.backward()
+    kl.backward()
+    assert lk.item() == pytest.approx(kl.item(), rel=1e-6)
+    torch.testing.assert_close(x.grad, y.grad)
+    # alpha ~ 0 (p on token 0, q on token 1): lambda = exp(-3 alpha) ~ 1, pure KL.
+    far_t = torch.tensor([[20.0, 0.0, 0.0, 0.0]])
+    far_d = torch.tensor([[0.0, 20.0, 0.0, 0.0]])
+    one = torch.ones(1)
+    assert acceptance_proxy(far_d, far_t, one).item() < 1e-7
+    assert lk_lambda(far_d, far_t, one).item() == pytest.approx(
+        forward_kl(far_d, far_t, one).item(), rel=1e-6
+    )
+    assert forward_kl(far_d, far_t, one).item() > 10 * total_variation(far_d, far_t, one).item()
+    # eta * alpha large: lambda = exp(-eta alpha) ~ 0, TV (the paper's eta = 3 keeps lambda
+    # >= exp(-3) = 0.05 even at alpha = 1, so LK^lambda always keeps some KL).
+    alphas = [acceptance_proxy(d[i : i + 1], t[i : i + 1], one).item() for i in range(6)]
+    assert min(alphas) > 0.05
+    near_tv = lk_lambda(d, t, mask, eta=1000.0)
+    assert near_tv.item() == pytest.approx(total_variation(d, t, mask).item(), abs=1e-6)
+    assert abs(lk_lambda(d, t, mask).item() - near_tv.item()) > 1e-2
+
+
+@pytest.mark.parametrize("alpha_mode", ["position", "batch"])
+def test_lk_lambda_gradient_treats_lambda_as_a_constant(alpha_mode):
+    d, t = _logits(n=5, v=6, seed=7)
+    mask, one, T = torch.ones(5), torch.ones(1), 1.3
+    with torch.no_grad():  # alpha per row at temperature T, by hand
+        q, p = (d / T).softmax(-1), (t / T).softmax(-1)
+        alpha = torch.minimum(p, q).sum(-1)  # [5]
+    lam = torch.exp(-3.0 * (alpha if alpha_mode == "position" else alpha.mean().expand(5)))
+    x = d.clone().requires_grad_(True)
+    lk_lambda(x, t, mask, temperature=T, alpha_mode=alpha_mode).backward()
+    y = d.clone().requires_grad_(True)
+    want = sum(
+        lam[i] * forward_kl(y[i : i + 1], t[i : i + 1], one, T)
+        + (1 - lam[i]) * total_variation(y[i : i + 1], t[i : i + 1], one, T)
+        for i in range(5)
+    )
+    (want / 5).backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-7)
+
+
+def _reduced_vocab_case(n: int = 23, seed: int = 8):
+    """Draft logits [n, 6] over 6 of a 10-token target vocabulary: (d, t at the draft ids,
+    the full rows' logsumexp at T = 1.3, labels)."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(n, 10, generator=g) * 2
+    vocab_ids = torch.tensor([0, 2, 3, 5, 7, 8])
+    t = full[:, vocab_ids]
+    d = t + torch.randn(n, 6, generator=g)
+    labels = torch.randint(0, 6, (n,), generator=g)
+    return d, t, (full / 1.3).logsumexp(-1), labels
+
+
+@pytest.mark.parametrize("name", sorted(TV_FAMILY))
+def test_tv_family_chunked_equals_unchunked_with_a_reduced_vocab(name):
+    d, t, log_norm, labels = _reduced_vocab_case()
+    mask = (torch.arange(23) % 4 != 1).float()
+    extra = {"labels": labels} if name == "dspark" else {}
+    values, grads = [], []
+    for chunk in (1000, 4):
+        x = d.clone().requires_grad_(True)
+        loss = TV_FAMILY[name](
+            x, t, mask, temperature=1.3, target_log_norm=log_norm, chunk_size=chunk, **extra
+        )
+        loss.backward()
+        values.append(loss.item())
+        grads.append(x.grad)
+    assert values[0] == pytest.approx(values[1], rel=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    assert grads[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", sorted(TV_FAMILY))
+def test_tv_family_mask_and_reduction(name):
+    d, t, log_norm, labels = _reduced_vocab_case(n=6)
+    fn = TV_FAMILY[name]
+    extra = {"labels": labels} if name == "dspark" else {}
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    kept = mask.bool()
+    # The masked call is the call on the kept rows alone (batch lambda included).
+    ref_extra = {"labels": labels[kept]} if name == "dspark" else {}
+    ref = fn(d[kept], t[kept], torch.ones(3), 1.3, target_log_norm=log_norm[kept], **ref_extra)
+    got = fn(d, t, mask, 1.3, target_log_norm=log_norm, **extra)
+    total = fn(d, t, mask, 1.3, target_log_norm=log_norm, reduction="sum", **extra)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert total.item() == pytest.approx(3 * ref.item(), rel=1e-6)
+    changed = d.clone()
+    changed[~kept] += 5.0  # masked rows change nothing
+    assert fn(changed, t, mask, 1.3, target_log_norm=log_norm, **extra).item() == pytest.approx(
+        got.item(), rel=1e-6
+    )
+    # Empty mask: zero, still differentiable.
+    x = d.clone().requires_grad_(True)
+    empty = fn(x, t, torch.zeros(6), 1.3, target_log_norm=log_norm, **extra)
+    empty.backward()
+    assert empty.item() == 0.0 and torch.all(x.grad == 0)
+
+
+def test_tv_family_bad_options_raise_clear_errors():
+    d, t = _logits()
+    mask = torch.ones(10)
+    with pytest.raises(ValueError, match="alpha_mode"):
+        lk_lambda(d, t, mask, alpha_mode="global")
+    with pytest.raises(ValueError, match="eta"):
+        lk_lambda(d, t, mask, eta=-1.0)
+    with pytest.raises(ValueError, match="tv_weight"):
+        ce_tv_mix(d, t, mask, tv_weight=-0.5)
+    with pytest.raises(ValueError, match="target_log_norm"):
+        lk_alpha(d, t, mask, target_log_norm=torch.zeros(9))
+    # Config keys: a loss's own options pass, others name the ones it takes.
+    cfg = OmegaConf.create({"name": "lk", "temperature": 1.0, "eta": 10.0})
+    assert loss_options(lk_lambda, cfg) == {"eta": 10.0}
+    assert loss_options(forward_kl, {"name": "kl", "temperature": 1.0}) == {}
+    with pytest.raises(ValueError, match="loss.eta is not an option of loss 'kl'.*chunk_size"):
+        loss_options(forward_kl, {"name": "kl", "eta": 3.0})
+
+
+def _offset_losses(loss: dict, vocab_ids: torch.Tensor | None):
+    """One offset_losses call (T = 5, offsets [0, 1], V = 7) -> (loss, draft logits, target)."""
+    from models.protocol import DraftOutput
+    from train.step_stats import offset_losses, proxy_tags, stats_size
+
+    g = torch.Generator().manual_seed(9)
+    target = torch.randn(1, 5, 7, generator=g) * 2
+    vd = 7 if vocab_ids is None else len(vocab_ids)
+    drafts = [torch.randn(1, 5, vd, generator=g) for _ in range(2)]
+    cfg = OmegaConf.create(
+        {
+            "train": {"offset_decay": 0.5},
+            "loss": loss,
+            "decode": {"temperatures": [0.0, 0.7], "top_k": 0, "top_p": 1.0},
+        }
+    )
+    batch = {
+        "input_ids": torch.randint(0, 7, (1, 5), generator=g),
+        "loss_mask": torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]]),  # [t] = trains x_{t+1}
+    }
+    out = DraftOutput(logits=drafts, offsets=[0, 1], vocab_ids=vocab_ids)
+    stats = torch.zeros(stats_size(2, len(proxy_tags(cfg.decode))))
+    counts = torch.tensor([3.0, 3.0])  # the trained positions per offset
+    fn = LOSSES[loss["name"]]
+    total = offset_losses(out, target, batch, [0, 1], counts, fn, loss["temperature"], cfg, stats)
+    return total, drafts, target, batch
+
+
+def test_offset_losses_passes_the_options_and_the_full_vocabulary_normaliser():
+    vocab_ids = torch.tensor([0, 1, 3, 4, 6])
+    loss = {"name": "lk", "temperature": 1.5, "eta": 10.0, "alpha_mode": "batch"}
+    got, drafts, target, batch = _offset_losses(loss, vocab_ids)
+    want = plain = 0.0  # plain: the defaults (eta 3, per position, renormalised target)
+    for i, off in enumerate((0, 1)):
+        d = drafts[i][0, : 5 - off]
+        full = target[0, off:]  # [5 - off, V]
+        t, mask = full[:, vocab_ids], batch["loss_mask"][0, off:]
+        log_norm = (full / 1.5).logsumexp(-1)
+        want += 0.5**i * lk_lambda(d, t, mask, 1.5, log_norm, 10.0, "batch").item()
+        plain += 0.5**i * lk_lambda(d, t, mask, 1.5).item()  # 3 trained positions per offset
+    assert got.item() == pytest.approx(want, rel=1e-6)
+    assert abs(got.item() - plain) > 1e-2
+    with pytest.raises(ValueError, match="loss.alpha is not an option of loss 'lk'"):
+        _offset_losses({"name": "lk", "temperature": 1.0, "alpha": 3.0}, vocab_ids)
+
+
+def test_offset_losses_gives_dspark_the_data_labels():
+    loss = {
+        "name": "dspark",
+        "temperature": 1.0,
+        "labels": "data",
+        "ce_weight": 0.3,
+        "tv_weight": 0.9,
+    }
+    got, drafts, target, batch = _offset_losses(loss, None)
+    ids, mask = batch["input_ids"][0], batch["loss_mask"][0]
+    labels = torch.cat([ids[1:], ids.new_zeros(1)])  # x_{t+1}; the last (padding) is masked
+    want = ce_tv_mix(drafts[0][0], target[0], mask, labels=labels, ce_weight=0.3, tv_weight=0.9)
+    labels1 = torch.cat([ids[2:], ids.new_zeros(1)])
+    want1 = ce_tv_mix(
+        drafts[1][0, :4], target[0, 1:], mask[1:], labels=labels1, ce_weight=0.3, tv_weight=0.9
+    )
+    assert got.item() == pytest.approx(want.item() + 0.5 * want1.item(), rel=1e-6)
+    argmax = ce_tv_mix(drafts[0][0], target[0], mask, ce_weight=0.3, tv_weight=0.9)
+    assert abs(argmax.item() - want.item()) > 1e-3

@@ -3,8 +3,11 @@
     python scripts/export.py runs/distill_kl/seed0/checkpoints/step_00000120 --format hf --out out/draft
     python scripts/export.py CKPT --format medusa --out out/medusa        # FasterDecoding/Medusa
     python scripts/export.py CKPT --format vllm-medusa --out out/medusa   # vLLM's Medusa
+    python scripts/export.py CKPT --format speculators --out out/eagle3   # EAGLE-3 for vLLM
+    python scripts/export.py CKPT --format eagle --out out/eagle3         # EAGLE / SGLang / SpecForge
 
-Formats, one plain function each (`export_hf`, `export_medusa`, `export_vllm_medusa`):
+Formats, one plain function each (`export_hf`, `export_medusa`, `export_vllm_medusa`; the
+EAGLE heads' `export_speculators`, `export_eagle` are in train/export_eagle.py):
   hf           a distilled draft LM as a `save_pretrained` directory with the target's
                tokenizer (HF `assistant_model`, vLLM `draft_model`, SGLang standalone); for a
                Medusa-2 checkpoint, the merged (LoRA-adapted) target the heads were trained on.
@@ -22,11 +25,12 @@ Both Medusa formats hold one output layer per head: with `head_init=shared` it i
 target's own lm_head, written once per head (neither engine shares one head across heads in
 every version). A Medusa-2 checkpoint also gets `merged_target/` (an `hf` directory of the
 adapted target) and `base_model_name_or_path` points there: its heads read the adapted model.
-
-Refused, nothing written: `mtp` (no engine serves MTP heads for a Llama target), `eagle` /
-`speculators` (draftlab's EAGLE head is not yet in the served layout, issue #16 part 1),
-a draft that does not fit the format, a vocabulary that is not the target's, NaN/Inf
-weights, a shared target head with a bias (Medusa engines' output layers have none),
+  speculators  an EAGLE-3 head as vLLM loads it (`speculators_model_type: eagle3`).
+  eagle        an EAGLE-3 head in the EAGLE / SGLang / SpecForge layout (`midlayer.*`,
+               `LlamaForCausalLMEagle3`), or an EAGLE-1 head as vLLM's `llama_eagle.py`.
+Refused, nothing written: `mtp` (no engine serves MTP heads for a Llama target), a draft
+that does not fit the format (EAGLE: see train/export_eagle.py), a vocabulary that is not
+the target's, NaN/Inf weights, a shared target head with a bias (Medusa engines' output layers have none),
 Medusa-repository heads with more than one block per head (that repository repeats ONE
 block L times, `[ResBlock(H)] * L`, so independent blocks cannot be expressed), and an
 existing non-empty output directory unless `overwrite`. Every export is written into a
@@ -46,16 +50,16 @@ from pathlib import Path
 import hydra.utils
 import torch
 from omegaconf import OmegaConf
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from models.draft_lm import DraftLM
-from models.eagle import EagleDraft
 from models.medusa import MedusaHeads
 from models.mtp import MTP
 from models.target import Target
 from train.checkpoint import load_draft
+from train.export_checks import ExportError, check_finite, check_keys, check_vocab, read_back
+from train.export_eagle import export_eagle, export_speculators
 
 FORMATS = ("hf", "medusa", "vllm-medusa", "mtp", "eagle", "speculators")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -77,10 +81,6 @@ VLLM_MEDUSA_CONFIG_FIELDS = (
 HF_CONFIG_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size")
 
 
-class ExportError(ValueError):
-    """The draft cannot be exported in the asked format; nothing was written."""
-
-
 # -- the expected layouts (the tests name them too) ------------------------------------------
 def medusa_keys(num_heads: int, num_layers: int) -> set[str]:
     """Keys of FasterDecoding/Medusa's `medusa_head` state dict."""
@@ -98,44 +98,6 @@ def vllm_medusa_keys(num_heads: int, num_layers: int) -> set[str]:
         for j in range(num_layers):
             keys |= {f"blocks.{i}.layers.{j}.weight", f"blocks.{i}.layers.{j}.bias"}
     return keys
-
-
-# -- checks shared by every format -----------------------------------------------------------
-def check_finite(state: dict[str, Tensor], what: str) -> None:
-    bad = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:
-        raise ExportError(
-            f"{what} has NaN/Inf weights in {bad[:5]}{' ...' if len(bad) > 5 else ''}; "
-            "export an earlier checkpoint of the run (scripts/compare.py shows its losses)"
-        )
-
-
-def check_vocab(draft_vocab: int, target: Target, what: str) -> None:
-    if draft_vocab != target.vocab_size:
-        raise ExportError(
-            f"{what} predicts {draft_vocab} tokens but the target {target.name!r} has "
-            f"{target.vocab_size}: engines verify draft ids as target ids, so the vocabularies "
-            "must be the same; export against the target the draft was trained for"
-        )
-
-
-def read_back(out: Path, weights: str, config_fields: tuple[str, ...]) -> tuple[set[str], dict]:
-    """The key set of `out/weights` and `out/config.json`, refusing a missing config field."""
-    config = json.loads((out / "config.json").read_text())
-    missing = [f for f in config_fields if f not in config]
-    if missing:
-        raise ExportError(f"written config.json lacks {missing} (an exporter bug)")
-    with safe_open(str(out / weights), framework="pt") as f:
-        keys = set(f.keys())
-    return keys, config
-
-
-def check_keys(got: set[str], expected: set[str], what: str) -> None:
-    if got != expected:
-        raise ExportError(
-            f"{what}: missing {sorted(expected - got)[:5]}, unexpected "
-            f"{sorted(got - expected)[:5]} (an exporter bug)"
-        )
 
 
 # -- hf ----------------------------------------------------------------------------------------
@@ -280,12 +242,6 @@ def refuse(fmt: str, draft: nn.Module) -> None:
             "target (vLLM and SGLang serve only the DeepSeek-V3 / Qwen native MTP layers of "
             "those models). Evaluate it with scripts/evaluate.py instead."
         )
-    if fmt in ("eagle", "speculators") or isinstance(draft, EagleDraft):
-        raise ExportError(
-            "draftlab's EAGLE head is not yet in the served layout (issue #16 part 1: fc over "
-            "raw taps, [embedding, feature] input, residual = fused feature), so no renaming of "
-            "its weights loads in vLLM / SGLang / EAGLE; nothing was written"
-        )
 
 
 # -- the entry point ---------------------------------------------------------------------------
@@ -300,6 +256,8 @@ def export(
         "hf": lambda tmp, final: export_hf(draft, target, tmp),
         "medusa": lambda tmp, final: export_medusa(draft, target, tmp, final),
         "vllm-medusa": lambda tmp, final: export_vllm_medusa(draft, target, tmp, final),
+        "eagle": lambda tmp, final: export_eagle(draft, target, tmp, final),
+        "speculators": lambda tmp, final: export_speculators(draft, target, tmp, final),
     }
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

@@ -43,6 +43,7 @@ from train.checkpoint import (
 )
 from train.data.prepare import collate, prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
+from train.init_from import init_draft_from
 from train.losses import LOSSES
 from train.replay import Replay
 from train.report.tracking import setup_wandb_env, wandb_run_settings, wandb_summary
@@ -154,6 +155,8 @@ def run(cfg: DictConfig) -> dict:
     pad_id = target.tokenizer.pad_token_id
     draft = _instantiate(cfg.draft.model, target=target, token_counts=prepared.token_counts)
     draft.to(accelerator.device)
+    if cfg.draft.get("init_from") and resume_from is None:  # resume: the checkpoint wins
+        init_draft_from(cfg.draft.init_from, draft, target)
     offsets = _preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
     params = [p for p in draft.parameters() if p.requires_grad]
     if not params:

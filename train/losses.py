@@ -4,7 +4,15 @@ Every loss is a plain function
     loss(draft_logits [N, V], target_logits [N, V], mask [N], temperature=1.0) -> scalar
 returning the masked mean over positions (or the masked sum with reduction="sum", which
 the training loop uses to normalise by the global token count across ranks and
-micro-batches). Per-offset weights (gamma^i) are applied by the caller.
+micro-batches). Per-offset weights (gamma^i) are applied by the caller. A loss's own
+options (LK's eta, ...) are keyword arguments set from its conf/loss/*.yaml (`loss_options`).
+
+The TV family (`lk_lambda`, `lk_alpha`, `ce_tv_mix`) computes alpha = sum_x min(p, q) as the
+decoder sees it: with a reduced draft vocabulary, p at the draft ids is the target's FULL-
+vocabulary distribution, not renormalised, so the caller passes `target_log_norm` [N], the
+logsumexp of the full target row at the loss temperature (None: target_logits is the full
+vocabulary). The KL and CE terms, like `kl`, `ce` and `tv`, use the target renormalised over
+the draft ids (KL(p || q) is infinite when q has no mass where p has).
 
 Memory: with V = 49k-150k, one [N, V] float32 temporary at N = 2k positions is 0.4-1.2 GB,
 and a divergence needs several (two softmaxes, two log-softmaxes, products). So positions
@@ -25,7 +33,10 @@ ids with that un-renormalised p (a token outside the draft vocabulary is always 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,27 +90,27 @@ def _check(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperatur
 
 
 def _masked_reduce(
-    rows_fn: Callable[[Tensor, Tensor, float], Tensor],
+    rows_fn: Callable[..., Tensor],  # (draft [n, V], *rows) -> [n]; options bound by partial
     draft_logits: Tensor,  # [N, V]
-    other: Tensor,  # [N, V] target logits, or [N, 1] labels for CE
+    rows: tuple[Tensor | None, ...],  # per position: [N, V] target, [N, 1] labels, [N]; or None
     mask: Tensor,  # [N]
-    temperature: float,
     chunk_size: int,
     reduction: str,
 ) -> Tensor:
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     keep = mask.bool()
-    draft_logits, other = draft_logits[keep], other[keep]  # [M, V], [M, *]
+    draft_logits = draft_logits[keep]  # [M, V]
+    rows = tuple(None if r is None else r[keep] for r in rows)
     total = draft_logits.new_zeros((), dtype=torch.float32)
     for start in range(0, draft_logits.shape[0], chunk_size):
         d = draft_logits[start : start + chunk_size]
-        o = other[start : start + chunk_size]
+        chunk = tuple(None if r is None else r[start : start + chunk_size] for r in rows)
         if d.requires_grad:  # recompute the [n, V] temporaries in backward
-            rows = checkpoint(rows_fn, d, o, temperature, use_reentrant=False)
+            out = checkpoint(rows_fn, d, *chunk, use_reentrant=False)
         else:
-            rows = rows_fn(d, o, temperature)
-        total = total + rows.sum()
+            out = rows_fn(d, *chunk)
+        total = total + out.sum()
     if draft_logits.shape[0] == 0:
         total = total + 0.0 * draft_logits.sum()  # keep the graph connected on empty masks
     if reduction == "sum":
@@ -117,9 +128,8 @@ def forward_kl(
 ) -> Tensor:
     """KL(p || q) = sum_x p log(p / q), p = target, q = draft: mode-covering."""
     _check(draft_logits, target_logits, mask, temperature)
-    return _masked_reduce(
-        _forward_kl_rows, draft_logits, target_logits, mask, temperature, chunk_size, reduction
-    )
+    rows_fn = partial(_forward_kl_rows, temperature=temperature)
+    return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
 
 def reverse_kl(
@@ -132,9 +142,8 @@ def reverse_kl(
 ) -> Tensor:
     """KL(q || p) = sum_x q log(q / p): mode-seeking."""
     _check(draft_logits, target_logits, mask, temperature)
-    return _masked_reduce(
-        _reverse_kl_rows, draft_logits, target_logits, mask, temperature, chunk_size, reduction
-    )
+    rows_fn = partial(_reverse_kl_rows, temperature=temperature)
+    return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
 
 def total_variation(
@@ -145,11 +154,12 @@ def total_variation(
     chunk_size: int = DEFAULT_CHUNK,
     reduction: str = "mean",
 ) -> Tensor:
-    """TV(p, q) = 1/2 sum_x |p - q| = 1 - sum_x min(p, q): exactly 1 - expected acceptance."""
+    """TV(p, q) = 1/2 sum_x |p - q| = 1 - sum_x min(p, q): exactly 1 - expected acceptance
+    with a full vocabulary (a reduced one renormalises p over the draft ids; the TV family
+    below uses the decoder's p)."""
     _check(draft_logits, target_logits, mask, temperature)
-    return _masked_reduce(
-        _tv_rows, draft_logits, target_logits, mask, temperature, chunk_size, reduction
-    )
+    rows_fn = partial(_tv_rows, temperature=temperature)
+    return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
 
 def cross_entropy(
@@ -167,9 +177,8 @@ def cross_entropy(
         labels = target_logits.argmax(-1)  # [N]
     if labels.shape != mask.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must match mask {tuple(mask.shape)}")
-    return _masked_reduce(
-        _ce_rows, draft_logits, labels[:, None], mask, temperature, chunk_size, reduction
-    )
+    rows_fn = partial(_ce_rows, temperature=temperature)
+    return _masked_reduce(rows_fn, draft_logits, (labels[:, None],), mask, chunk_size, reduction)
 
 
 @torch.no_grad()
@@ -246,6 +255,163 @@ def acceptance_proxy(
     return total if reduction == "sum" else total / max(int(keep.sum()), 1)
 
 
+def _check_log_norm(target_log_norm: Tensor | None, mask: Tensor) -> None:
+    if target_log_norm is not None and target_log_norm.shape != mask.shape:
+        raise ValueError(
+            f"target_log_norm {tuple(target_log_norm.shape)} must be [N] = "
+            f"[{mask.shape[0]}]: the logsumexp of each FULL-vocabulary target row / temperature"
+        )
+
+
+def _decoder_cutoffs(target: Tensor, log_norm: Tensor | None, temperature: float) -> Tensor:
+    """[n, 2] (cut, lse) for _accept_rows at the loss temperature, no top-k / top-p: p at the
+    draft ids is exp(z - lse) with lse the FULL target row's logsumexp (`log_norm`), or this
+    row's own when log_norm is None (the target logits are the full vocabulary)."""
+    if log_norm is None:
+        log_norm = (target.float() / temperature).logsumexp(-1)  # [n]
+    log_norm = log_norm.float()
+    return torch.stack([torch.full_like(log_norm, float("-inf")), log_norm], -1)
+
+
+def _alpha_rows(
+    draft: Tensor, target: Tensor, log_norm: Tensor | None, temperature: float
+) -> Tensor:
+    """[n] alpha = sum over the draft ids of min(p, q) as the decoder sees it, differentiable
+    in the draft logits (the same maths as acceptance_proxy)."""
+    cutoffs = _decoder_cutoffs(target, log_norm, temperature)
+    return _accept_rows(draft, target, cutoffs, Sampling(temperature=temperature))
+
+
+def _lk_lambda_rows(
+    draft: Tensor,
+    target: Tensor,
+    log_norm: Tensor | None,
+    temperature: float,
+    eta: float,
+    lam: Tensor | None,  # [] lambda of the whole call (alpha_mode="batch"); None = per position
+) -> Tensor:
+    alpha = _alpha_rows(draft, target, log_norm, temperature)  # [n]
+    kl = _forward_kl_rows(draft, target, temperature)  # [n] p renormalised over the draft ids
+    if lam is None:  # stop-gradient: lambda weighs the two terms, it is not itself trained
+        lam = torch.exp(-eta * alpha.detach())  # [n]
+    return lam * kl + (1.0 - lam) * (1.0 - alpha)
+
+
+def _lk_alpha_rows(
+    draft: Tensor, target: Tensor, log_norm: Tensor | None, temperature: float
+) -> Tensor:
+    alpha = _alpha_rows(draft, target, log_norm, temperature)  # [n]
+    # alpha = 0 only when q and p have disjoint supports (-inf logits): a large finite loss.
+    return -alpha.clamp_min(torch.finfo(alpha.dtype).tiny).log()
+
+
+def _ce_tv_rows(
+    draft: Tensor,
+    target: Tensor,
+    labels: Tensor,  # [n, 1]
+    log_norm: Tensor | None,
+    temperature: float,
+    ce_weight: float,
+    tv_weight: float,
+) -> Tensor:
+    ce = _ce_rows(draft, labels, temperature)  # [n]
+    tv = 1.0 - _alpha_rows(draft, target, log_norm, temperature)  # [n]
+    return ce_weight * ce + tv_weight * tv
+
+
+def lk_lambda(
+    draft_logits: Tensor,  # [N, Vd]
+    target_logits: Tensor,  # [N, Vd] the target at the draft's ids (all of V for a full vocab)
+    mask: Tensor,  # [N]
+    temperature: float = 1.0,
+    target_log_norm: Tensor | None = None,  # [N] logsumexp of the FULL target row / temperature
+    eta: float = 3.0,
+    alpha_mode: str = "position",
+    chunk_size: int = DEFAULT_CHUNK,
+    reduction: str = "mean",
+) -> Tensor:
+    """LK^lambda (Samarin et al. 2026, "LK Losses", arXiv 2602.23881): lambda * KL(p || q) +
+    (1 - lambda) * TV, TV = 1 - alpha, lambda = exp(-eta * stopgrad(alpha)). While the draft
+    is far from the target (alpha ~ 0) it is forward KL, whose gradient does not vanish;
+    as alpha grows it becomes TV, which is 1 - expected acceptance. The paper's eta: 3 for
+    EAGLE / MTP, 10 for Medusa. alpha_mode "position": each position's own alpha (as
+    vllm-project/speculators' lk_hybrid); "batch": one lambda from the mean alpha over this
+    call's positions (SpecForge's lk_loss), i.e. one offset of one micro-batch on one rank.
+    alpha and TV are the decoder's (module docstring); KL(p || q) renormalises p over the
+    draft ids, as `kl`."""
+    _check(draft_logits, target_logits, mask, temperature)
+    _check_log_norm(target_log_norm, mask)
+    if eta < 0:
+        raise ValueError(f"loss.eta must be >= 0 (0 = pure forward KL), got {eta}")
+    if alpha_mode not in ("position", "batch"):
+        raise ValueError(f"loss.alpha_mode must be 'position' or 'batch', got {alpha_mode!r}")
+    lam = None
+    if alpha_mode == "batch":  # one lambda from the mean alpha, before the chunks
+        cutoffs = None  # acceptance_proxy then uses each row's own logsumexp (full vocab)
+        if target_log_norm is not None:
+            cutoffs = _decoder_cutoffs(target_logits, target_log_norm, temperature)
+        sampling = Sampling(temperature=temperature)
+        alpha = acceptance_proxy(draft_logits, target_logits, mask, sampling, cutoffs, chunk_size)
+        lam = torch.exp(-eta * alpha)  # [] no grad: acceptance_proxy is no_grad
+    rows_fn = partial(_lk_lambda_rows, temperature=temperature, eta=eta, lam=lam)
+    rows = (target_logits, target_log_norm)
+    return _masked_reduce(rows_fn, draft_logits, rows, mask, chunk_size, reduction)
+
+
+def lk_alpha(
+    draft_logits: Tensor,  # [N, Vd]
+    target_logits: Tensor,  # [N, Vd] the target at the draft's ids (all of V for a full vocab)
+    mask: Tensor,  # [N]
+    temperature: float = 1.0,
+    target_log_norm: Tensor | None = None,  # [N] logsumexp of the FULL target row / temperature
+    chunk_size: int = DEFAULT_CHUNK,
+    reduction: str = "mean",
+) -> Tensor:
+    """LK^alpha (arXiv 2602.23881): -log alpha per position, alpha the decoder's acceptance
+    probability. Its gradient is grad(TV) / alpha: TV's direction, with the 1 / alpha factor
+    that keeps it from vanishing while alpha is small (from scratch). Against a one-hot
+    target it is cross-entropy."""
+    _check(draft_logits, target_logits, mask, temperature)
+    _check_log_norm(target_log_norm, mask)
+    rows_fn = partial(_lk_alpha_rows, temperature=temperature)
+    rows = (target_logits, target_log_norm)
+    return _masked_reduce(rows_fn, draft_logits, rows, mask, chunk_size, reduction)
+
+
+def ce_tv_mix(
+    draft_logits: Tensor,  # [N, Vd]
+    target_logits: Tensor,  # [N, Vd] the target at the draft's ids (all of V for a full vocab)
+    mask: Tensor,  # [N]
+    temperature: float = 1.0,
+    labels: Tensor | None = None,  # [N] hard labels from the data; None = target argmax
+    target_log_norm: Tensor | None = None,  # [N] logsumexp of the FULL target row / temperature
+    ce_weight: float = 0.1,
+    tv_weight: float = 1.8,
+    chunk_size: int = DEFAULT_CHUNK,
+    reduction: str = "mean",
+) -> Tensor:
+    """Fixed mix ce_weight * CE + tv_weight * TV, DeepSeek's DSpark recipe: DeepSpec
+    (deepspec/modeling/dspark/loss.py, config/dspark/*.py) trains 0.1 * CE + 0.9 * L1 with
+    hard-label CE (the data's tokens) and L1 = sum |p - q| = 2 TV, hence tv_weight = 1.8.
+    CE is `cross_entropy`'s (labels, or the target's argmax over the draft ids); TV = 1 -
+    alpha is the decoder's (module docstring)."""
+    _check(draft_logits, target_logits, mask, temperature)
+    _check_log_norm(target_log_norm, mask)
+    if ce_weight < 0 or tv_weight < 0:
+        raise ValueError(
+            f"loss.ce_weight and loss.tv_weight must be >= 0, got {ce_weight} and {tv_weight}"
+        )
+    if labels is None:
+        labels = target_logits.argmax(-1)  # [N]
+    if labels.shape != mask.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must match mask {tuple(mask.shape)}")
+    rows_fn = partial(
+        _ce_tv_rows, temperature=temperature, ce_weight=ce_weight, tv_weight=tv_weight
+    )
+    rows = (target_logits, labels[:, None], target_log_norm)
+    return _masked_reduce(rows_fn, draft_logits, rows, mask, chunk_size, reduction)
+
+
 @torch.no_grad()
 def top1_agreement(
     draft_logits: Tensor,  # [N, Vd]
@@ -288,4 +454,28 @@ LOSSES: dict[str, Callable[..., Tensor]] = {
     "kl": forward_kl,
     "rkl": reverse_kl,
     "tv": total_variation,
+    "lk": lk_lambda,
+    "lk_alpha": lk_alpha,
+    "dspark": ce_tv_mix,
 }
+
+# What the caller passes itself, never from a loss config.
+_CALL_ARGS = ("draft_logits", "target_logits", "mask", "temperature", "labels", "target_log_norm")
+
+
+def loss_options(loss_fn: Callable[..., Tensor], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword options a loss config (conf/loss/*.yaml) sets for `loss_fn`: every key but
+    name, temperature and labels, which the caller handles. A key the loss does not take is
+    an error that lists the ones it does."""
+    options = {k: v for k, v in settings.items() if k not in ("name", "temperature", "labels")}
+    params = inspect.signature(loss_fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # a wrapper: it takes anything
+        return options
+    takes = [name for name in params if name not in (*_CALL_ARGS, "reduction")]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise ValueError(
+            f"loss.{unknown[0]} is not an option of loss {settings.get('name')!r}; "
+            f"its options are {takes}"
+        )
+    return options

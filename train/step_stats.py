@@ -13,7 +13,9 @@ target's full-vocabulary argmax (greedy), and alpha = Σ min(p, q) over the draf
 the target's un-renormalised full-vocabulary p, at the loss temperature (`alpha`) and at
 every T > 0 decode sampling of cfg.decode, with its top-k / top-p (`alpha_T0.7`), which is
 what train/evaluate.py compares with the decoder's tau. The loss itself keeps the target
-renormalised over a reduced draft vocabulary.
+renormalised over a reduced draft vocabulary, except the alpha / TV terms of the TV family
+(`lk`, `lk_alpha`, `dspark`), which get the full-vocabulary logsumexp (`target_log_norm`).
+A loss's own options (conf/loss/*.yaml beyond name / temperature / labels) are passed on.
 
 Reduced draft vocabulary: a position whose target argmax lies outside it can never be a
 greedy hit; `oov_share` logs their share (offset 0's positions), and
@@ -29,6 +31,8 @@ T > 0 decode samplings:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from omegaconf import DictConfig
 from torch import Tensor
@@ -38,6 +42,7 @@ from models.protocol import DraftOutput
 from train.losses import (
     acceptance_proxy,
     forward_kl,
+    loss_options,
     sampling_cutoffs,
     simulated_tau,
     top1_agreement,
@@ -107,6 +112,8 @@ def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperatu
     if out.vocab_ids is not None:
         in_vocab = torch.zeros(V, dtype=torch.bool, device=top.device)
         in_vocab[out.vocab_ids.to(top.device)] = True
+    options = loss_options(loss_fn, cfg.loss)  # its own settings: LK's eta, ...
+    takes = inspect.signature(loss_fn).parameters
     for i, (logits, off) in enumerate(zip(out.logits, offsets, strict=True)):
         if off != out.offsets[i]:
             raise ValueError(
@@ -126,8 +133,10 @@ def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperatu
                 stats[_oov_slot(n_off, len(proxies) - 1)] += (oov & mask.bool()).sum()
             if mask_oov:
                 loss_mask = mask * ~oov
-        kwargs = {}
-        if cfg.loss.name == "ce" and cfg.loss.get("labels", "target") == "data":
+        kwargs = dict(options)
+        if "target_log_norm" in takes:  # the TV family: alpha over the full-vocabulary p
+            kwargs["target_log_norm"] = cutoffs[0][:, off:, 1].reshape(-1)  # [N]
+        if "labels" in takes and cfg.loss.get("labels", "target") == "data":
             ids = batch["input_ids"]
             pad = ids.new_zeros(ids.shape[0], 1)
             labels = torch.cat([ids[:, off + 1 :], pad], 1)  # [B, T-off]: x_{t+off+1}

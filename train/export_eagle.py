@@ -1,0 +1,465 @@
+"""EAGLE heads (models/eagle.py) in the layouts serving engines load, and read back.
+
+Call the writers through `train.export.export` (temporary directory, read-back checks, then
+rename; nothing is left on a refusal). Layouts, written from the anchors' own files (vLLM
+`models/llama_eagle3.py`, `models/llama_eagle.py`, `transformers_utils/configs/speculators/`;
+SGLang `models/llama_eagle3.py`; speculators `models/eagle3/`; SpecForge
+`modeling/draft/llama3_eagle.py`):
+
+  speculators  EAGLE-3 as vLLM loads a speculators checkpoint (EAGLE-1 was dropped from
+               speculators and vLLM's speculators reader registers no `eagle` type: refused).
+      config.json  `speculators_model_type: eagle3`, `architectures: [Eagle3Speculator]`,
+                   `speculators_config` {algorithm, proposal_methods [{proposal_type: greedy,
+                   speculative_tokens = ttt_steps}], default_proposal_method, verifier
+                   {name_or_path, architectures}}, `transformer_layer_config` (a Llama config
+                   of the one layer, vocab_size = the target's), `draft_vocab_size`,
+                   `target_hidden_size`, `norm_before_residual: false` (always written: vLLM's
+                   reader defaults a missing one to TRUE), `norm_before_fc`/`fc_norm`/
+                   `norm_output: false`, `eagle_aux_hidden_state_layer_ids` (non-default taps).
+      model.safetensors  `fc.weight`, `layers.0.{input_layernorm, hidden_norm,
+                   self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}
+                   .weight`, `norm.weight`, `lm_head.weight`, `d2t`/`t2d` (reduced vocabulary).
+  eagle        EAGLE-3 in the EAGLE repository / SGLang / SpecForge layout: the same weights
+               with `midlayer.` for `layers.0.` (SGLang's module is `midlayer`; vLLM renames it),
+               a flat Llama config with `architectures: [LlamaForCausalLMEagle3]`,
+               `draft_vocab_size`, `target_hidden_size` and `tie_word_embeddings: false`
+               (SGLang would otherwise use the embedding as lm_head).
+               EAGLE-1 as vLLM's `llama_eagle.py`: `fc.weight` [H, 2H] over [embedding,
+               feature], `layers.0.*` without input_layernorm, no head (the target's is used),
+               `architectures: [LlamaForCausalLM]` (vLLM maps it to EagleLlamaForCausalLM).
+No embedding is written: every engine uses the target's. A frozen head (`train_head=false`)
+is written as the target's lm_head rows at the draft ids. EAGLE-3's `fc.weight` is served
+with the tap scale folded in (fc.weight[:, block i] * tap_scale[i], exact: powers of two).
+
+Tap ids. draftlab's `layers` index HF's hidden_states: i = the residual stream entering
+decoder layer i. vLLM's `eagle_aux_hidden_state_layer_ids` use the same numbers (it captures
+`hidden_states + residual` before layer i); SGLang (and SpecForge) read
+`eagle_config.eagle_aux_hidden_state_layer_ids` as j = the output of layer j and capture
+before layer j + 1, so j = i - 1. Both default to (2, L//2, L-3) = draftlab's default, which
+is then left out; other taps are written both ways in the `eagle` layout (top level for vLLM,
+which reads it first, `eagle_config` for SGLang) and top level in `speculators`. Servable
+taps: exactly 3, distinct, in 1..L-1 (0 is the bare embedding, which vLLM forms as
+`hidden_states + residual` with no residual yet; L and -1 are after the final norm, never
+captured).
+
+`read_eagle_export(path, target)` reads either layout back into EagleDraft's state_dict keys
+(tap_scale = 1: the served fc already holds it) plus the settings to build the draft.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from models.eagle import EagleDraft
+from models.eagle_init import default_eagle3_layers
+from models.target import Target
+from train.export_checks import ExportError, check_finite, check_keys, check_vocab, read_back
+
+WEIGHTS = "model.safetensors"
+SPECULATORS_ARCH = "Eagle3Speculator"
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"  # SGLang's / SpecForge's class; vLLM's registry maps it
+EAGLE1_ARCH = "LlamaForCausalLM"  # the EAGLE repository's EAGLE-1 configs; vLLM prefixes Eagle
+# Config fields each reader needs (vLLM SpeculatorsConfig + update_eagle3; SGLang
+# LlamaForCausalLMEagle3 / LlamaModel; vLLM EagleLlamaForCausalLM through its Llama config).
+SPECULATORS_CONFIG_FIELDS = (
+    "architectures",
+    "speculators_model_type",
+    "speculators_config",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+)
+SPECULATORS_SUB_FIELDS = ("algorithm", "proposal_methods", "default_proposal_method", "verifier")
+LLAMA_CONFIG_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_theta",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+EAGLE3_CONFIG_FIELDS = ("architectures", "draft_vocab_size", "target_hidden_size")
+EAGLE3_CONFIG_FIELDS += LLAMA_CONFIG_FIELDS
+EAGLE1_CONFIG_FIELDS = ("architectures",) + LLAMA_CONFIG_FIELDS
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+# -- the expected layouts (the tests name them too) -------------------------------------------
+def layer_keys(style: str, prefix: str = "layers.0.") -> set[str]:
+    """The decoder layer's weights: EAGLE-3's first layer (2H q/k/v, input_layernorm on the
+    embedding, hidden_norm on the feature) or EAGLE-1's (no input_layernorm)."""
+    keys = {f"{prefix}self_attn.{p}.weight" for p in ATTN}
+    keys |= {f"{prefix}mlp.{p}.weight" for p in MLP} | {f"{prefix}post_attention_layernorm.weight"}
+    if style == "eagle3":
+        keys |= {f"{prefix}input_layernorm.weight", f"{prefix}hidden_norm.weight"}
+    return keys
+
+
+def served_keys(style: str, reduced_vocab: bool, prefix: str = "layers.0.") -> set[str]:
+    """Weight keys of an export: speculators (prefix `layers.0.`) or eagle (`midlayer.` for
+    EAGLE-3; EAGLE-1 keeps `layers.0.`)."""
+    keys = {"fc.weight"} | layer_keys(style, prefix)
+    if style == "eagle3":
+        keys |= {"norm.weight", "lm_head.weight"} | ({"d2t", "t2d"} if reduced_vocab else set())
+    return keys
+
+
+# -- checks before writing ---------------------------------------------------------------------
+def check_servable(draft: EagleDraft, target: Target, fmt: str) -> None:
+    if not isinstance(draft, EagleDraft):
+        raise ExportError(
+            f"--format {fmt} exports EAGLE heads (draft=eagle or eagle1); this checkpoint holds "
+            f"a {type(draft).__name__}"
+        )
+    check_vocab(draft.target_vocab_size, target, "the EAGLE head")
+    if draft.config.hidden_size != target.hidden_size:
+        raise ExportError(
+            f"the EAGLE head is {draft.config.hidden_size} wide but the target "
+            f"{target.name!r} has hidden size {target.hidden_size}; export against its own target"
+        )
+    if target.lm_head.bias is not None:
+        raise ExportError("the target's lm_head has a bias; EAGLE engines' heads have none")
+    if draft.style == "eagle1":
+        if fmt == "speculators":
+            raise ExportError(
+                "speculators has no EAGLE-1 format any more (vLLM's speculators reader knows "
+                "eagle3 / peagle / dflash / medusa / dspark); use --format eagle (vLLM's "
+                "llama_eagle.py layout)"
+            )
+        if draft.hidden_layers != (-1,) or draft.reduced_vocab or draft.lm_head is not None:
+            raise ExportError(
+                "served EAGLE-1 reads the target's last hidden state (layers=[-1]) and drafts "
+                "over the full vocabulary with the target's own head; this head has "
+                f"layers={list(draft.hidden_layers)}, vocabulary {draft.draft_vocab_size}, "
+                f"train_head={draft.lm_head is not None}"
+            )
+        return
+    L, taps = target.num_layers, draft.hidden_layers
+    if len(taps) != 3 or len(set(taps)) != 3 or not all(1 <= i <= L - 1 for i in taps):
+        raise ExportError(
+            f"served EAGLE-3 fuses exactly 3 distinct taps from hidden_states 1..{L - 1} (the "
+            f"residual stream entering a layer; -1/{L} are after the final norm, which engines "
+            f"never capture); this head reads {list(taps)}. Train with draft.model.layers=null "
+            f"(default {list(default_eagle3_layers(L))}) or 3 taps in that range"
+        )
+    if draft.reduced_vocab:
+        try:
+            draft.check_mapping()
+        except ValueError as err:
+            raise ExportError(
+                f"a reduced vocabulary without a valid d2t/t2d mapping: {err}"
+            ) from err
+
+
+def tap_ids(draft: EagleDraft, target: Target) -> list[int] | None:
+    """vLLM's `eagle_aux_hidden_state_layer_ids` (= hidden_states indices), None for the
+    engines' default taps."""
+    taps = list(draft.hidden_layers)
+    return None if taps == list(default_eagle3_layers(target.num_layers)) else taps
+
+
+def served_state(draft: EagleDraft, target: Target) -> dict[str, Tensor]:
+    """The served weights under speculators' names, fp32 on the CPU."""
+    state = {
+        k: v
+        for k, v in draft.state_dict().items()
+        if k.startswith("layers.0.") or k == "norm.weight"
+    }
+    fc = draft.fc.weight.detach().float().cpu()  # [H, n*H]
+    if draft.style == "eagle3":
+        H = fc.shape[0]
+        scale = draft.tap_scale.float().cpu().repeat_interleave(H)  # [n*H]
+        fc = fc * scale[None, :]  # fold: the served fc reads the raw taps
+        head = draft.head_weight(target).detach()  # [V_draft, H]
+        state["lm_head.weight"] = head
+        if draft.reduced_vocab:
+            state["d2t"], state["t2d"] = draft.d2t, draft.t2d
+    state["fc.weight"] = fc
+    state = {
+        k: (
+            v.detach().to("cpu", torch.float32, copy=True)
+            if v.is_floating_point()
+            else v.detach().to("cpu", copy=True)
+        )
+        for k, v in state.items()
+    }
+    check_finite(state, "the EAGLE head")
+    return state
+
+
+def llama_config(draft: EagleDraft, target: Target) -> dict:
+    """The one layer's Llama config, as each engine builds its draft layer from it."""
+    cfg = draft.config
+    rope = dict(cfg.rope_parameters)
+    theta = rope.pop("rope_theta", 10000.0)
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": theta,
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        "vocab_size": target.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+def verifier(target: Target) -> dict:
+    return {
+        "name_or_path": getattr(target.config, "_name_or_path", "") or target.name,
+        "architectures": list(target.config.architectures or [type(target.model).__name__]),
+    }
+
+
+# -- writers -----------------------------------------------------------------------------------
+def export_speculators(draft: EagleDraft, target: Target, out: Path, final: Path) -> None:
+    """EAGLE-3 in the speculators format into `out` (the temporary directory of
+    `train.export.export`, renamed to `final` after these checks pass)."""
+    check_servable(draft, target, "speculators")
+    state = served_state(draft, target)
+    config = {
+        "architectures": [SPECULATORS_ARCH],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": draft.ttt_steps,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": verifier(target),
+        },
+        "transformer_layer_config": llama_config(draft, target),
+        "draft_vocab_size": draft.draft_vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "tie_word_embeddings": False,
+    }
+    ids = tap_ids(draft, target)
+    if ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+    save_file(state, str(out / WEIGHTS))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    got, written = read_back(out, WEIGHTS, SPECULATORS_CONFIG_FIELDS)
+    missing = [f for f in SPECULATORS_SUB_FIELDS if f not in written["speculators_config"]]
+    if missing or written["norm_before_residual"] is not False:
+        raise ExportError(f"written speculators_config lacks {missing} (an exporter bug)")
+    check_keys(got, served_keys("eagle3", draft.reduced_vocab), WEIGHTS)
+
+
+def export_eagle(draft: EagleDraft, target: Target, out: Path, final: Path) -> None:
+    """EAGLE-3 in the EAGLE / SGLang / SpecForge layout, or EAGLE-1 in vLLM's, into `out`."""
+    check_servable(draft, target, "eagle")
+    state = served_state(draft, target)
+    config = llama_config(draft, target)
+    if draft.style == "eagle3":
+        state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
+        config |= {
+            "architectures": [EAGLE3_ARCH],
+            "draft_vocab_size": draft.draft_vocab_size,
+            "target_hidden_size": target.hidden_size,
+        }
+        ids = tap_ids(draft, target)
+        if ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM: hidden_states indices
+            config["eagle_config"] = {  # SGLang / SpecForge: output of layer j = i - 1
+                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
+                "use_aux_hidden_state": True,
+            }
+        fields, prefix = EAGLE3_CONFIG_FIELDS, "midlayer."
+    else:
+        config["architectures"] = [EAGLE1_ARCH]
+        fields, prefix = EAGLE1_CONFIG_FIELDS, "layers.0."
+    save_file(state, str(out / WEIGHTS))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    got, _ = read_back(out, WEIGHTS, fields)
+    check_keys(got, served_keys(draft.style, draft.reduced_vocab, prefix), WEIGHTS)
+
+
+# -- reader --------------------------------------------------------------------------------------
+def read_eagle_export(path: Path, target: Target) -> tuple[dict[str, Tensor], dict]:
+    """A `speculators` or `eagle` export (ours or another trainer's in the same layout) ->
+    (state_dict keyed exactly like EagleDraft.state_dict(), settings) where settings =
+    {style, layers (hidden_states indices), draft_vocab_size, intermediate_size, train_head}
+    for `models.eagle.from_target`. Raises ValueError on a wrong target (hidden size,
+    vocabulary, verifier), a variant this head cannot express, or unknown / missing keys."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
+        raise ValueError(f"{path} is not an EAGLE export: need config.json and {WEIGHTS} there")
+    config = json.loads((path / "config.json").read_text())
+    weights = load_file(str(path / WEIGHTS))
+    what = f"EAGLE export {path}"
+    if "speculators_model_type" in config:
+        style, layer = _speculators_settings(config, target, what)
+        prefix = "layers.0."
+    else:
+        arch = (config.get("architectures") or [""])[0]
+        style = "eagle3" if "Eagle3" in arch else "eagle1"
+        layer, prefix = config, "midlayer." if style == "eagle3" else "layers.0."
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        if config.get(flag):
+            raise ValueError(
+                f"{what} uses {flag}=true; draftlab's head is the plain layout (residual = raw "
+                "fc output, no norm before fc, pre-norm hidden fed back)"
+            )
+    if config.get("target_hidden_size") not in (None, target.hidden_size):
+        raise ValueError(
+            f"{what} reads {config['target_hidden_size']}-wide target features, the target "
+            f"{target.name!r} has {target.hidden_size}; load it with the target it was trained for"
+        )
+    H, L = target.hidden_size, target.num_layers
+    _check_layer_config(layer, target, what)  # sizes first: the clearer message
+    if "speculators_model_type" in config:
+        _check_verifier(config, target, what)
+    taps = _tap_layers(config, style, L, what)
+    draft_vocab = int(config.get("draft_vocab_size") or target.vocab_size)
+    reduced = draft_vocab < target.vocab_size
+    expected = served_keys(style, reduced, prefix)
+    unknown, missing = sorted(set(weights) - expected), sorted(expected - set(weights))
+    if unknown or missing:
+        raise ValueError(
+            f"{what}: unknown keys {unknown[:5]}, missing keys {missing[:5]} for a {style} head "
+            f"({'reduced' if reduced else 'full'} vocabulary); draftlab reads the speculators and "
+            "eagle layouts of train/export_eagle.py"
+        )
+    state = {k.replace(prefix, "layers.0.", 1): v for k, v in weights.items()}
+    n_in = state["fc.weight"].shape[1]
+    if state["fc.weight"].shape[0] != H or n_in != (3 * H if style == "eagle3" else 2 * H):
+        raise ValueError(
+            f"{what}: fc.weight is {tuple(state['fc.weight'].shape)}, expected "
+            f"({H}, {3 * H if style == 'eagle3' else 2 * H}) for the target's hidden size {H}"
+        )
+    train_head = False
+    if style == "eagle3":
+        state["tap_scale"] = torch.ones(len(taps))  # folded into the served fc
+        head = state.pop("lm_head.weight")  # [V_draft, H]
+        if reduced:
+            state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
+            ids = torch.arange(draft_vocab) + state["d2t"]
+            if ids.min() < 0 or ids.max() >= target.vocab_size:
+                raise ValueError(f"{what}: d2t maps outside the target's vocabulary")
+        else:
+            ids = torch.arange(draft_vocab)
+        if head.shape != (draft_vocab, H):
+            raise ValueError(
+                f"{what}: lm_head is {tuple(head.shape)}, expected ({draft_vocab}, {H})"
+            )
+        rows = target.lm_head.weight.detach().float().cpu()[ids]
+        train_head = not torch.equal(head.float(), rows)
+        if train_head:
+            state["lm_head.weight"] = head
+    settings = {
+        "style": style,
+        "layers": taps,
+        "draft_vocab_size": draft_vocab,
+        "intermediate_size": int(layer["intermediate_size"]),
+        "train_head": train_head,
+    }
+    return state, settings
+
+
+def _speculators_settings(config: dict, target: Target, what: str) -> tuple[str, dict]:
+    if config["speculators_model_type"] != "eagle3":
+        raise ValueError(
+            f"{what}: speculators_model_type {config['speculators_model_type']!r}; draftlab "
+            "reads eagle3 speculators checkpoints"
+        )
+    if "norm_before_residual" not in config:
+        raise ValueError(
+            f"{what} does not say norm_before_residual (vLLM assumes true, speculators false); "
+            "refusing to guess the residual of the first layer"
+        )
+    return "eagle3", config.get("transformer_layer_config") or {}
+
+
+def _check_verifier(config: dict, target: Target, what: str) -> None:
+    want = verifier(target)
+    got = config.get("speculators_config", {}).get("verifier", {})
+    same_path = Path(str(got.get("name_or_path", ""))).name == Path(want["name_or_path"]).name
+    if not same_path or list(got.get("architectures") or []) != want["architectures"]:
+        raise ValueError(
+            f"{what} was trained for verifier {got.get('name_or_path')!r} "
+            f"({got.get('architectures')}), not the target {want['name_or_path']!r} "
+            f"({want['architectures']}); load it with the target it was trained for"
+        )
+
+
+def _check_layer_config(layer: dict, target: Target, what: str) -> None:
+    """The exported layer must be the one from_target builds for `target`."""
+    cfg = target.config
+    want = {
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or target.hidden_size // cfg.num_attention_heads,
+    }
+    bad = {k: (layer.get(k), v) for k, v in want.items() if layer.get(k, v) != v}
+    if layer.get("attention_bias") or layer.get("mlp_bias"):
+        bad["attention_bias/mlp_bias"] = (True, False)
+    if bad:
+        raise ValueError(
+            f"{what} does not fit the target {target.name!r}: (exported, target) {bad}; "
+            "load it with the target it was exported for"
+        )
+    theta = target.rope_kwargs().get("rope_parameters", {}).get("rope_theta")
+    if theta is not None and layer.get("rope_theta", theta) != theta:
+        raise ValueError(
+            f"{what} has rope_theta {layer['rope_theta']}, the target {theta}: draftlab copies "
+            "rope settings from the target"
+        )
+
+
+def _tap_layers(config: dict, style: str, num_layers: int, what: str) -> list[int]:
+    """hidden_states indices from the config (vLLM's top-level ids, or SGLang's eagle_config
+    ids + 1), the engines' default when neither is there."""
+    if style == "eagle1":
+        return [-1]
+    vllm = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    sglang = [j + 1 for j in nested] if nested else None
+    if vllm and sglang and list(vllm) != sglang:
+        raise ValueError(
+            f"{what}: eagle_aux_hidden_state_layer_ids {vllm} (vLLM: hidden_states indices) and "
+            f"eagle_config's {nested} (SGLang: layer outputs, +1) name different taps"
+        )
+    taps = list(vllm or sglang or default_eagle3_layers(num_layers))
+    if len(taps) != 3 or not all(1 <= i <= num_layers - 1 for i in taps):
+        raise ValueError(
+            f"{what}: taps {taps} are not 3 hidden_states indices in 1..{num_layers - 1} of the target"
+        )
+    return [int(i) for i in taps]
