@@ -26,6 +26,13 @@ and returns a JSON-able dict:
     tree, tree_size      tree decoding (`tree=`, decoding/tree.py): the TreeSpec and the mean
                          drafted nodes per verify round (None for chains); α_i is then per
                          depth i, and `k` is the tree's maximum depth
+    entropy_alpha        acceptance against the target's entropy H (nats) at every draft the
+                         verifier judged (decoding/entropy.py): {edges, count, alpha, slope,
+                         intercept}, per bucket [edges[i], edges[i+1]) the judged positions and
+                         their mean acceptance, and the least-squares line acceptance ≈
+                         intercept + slope·H (greedy: H of the T=1 softmax, acceptance 0/1;
+                         T > 0: H of the verifier's p, acceptance Σ min(p, q); trees: one
+                         position per depth)
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 from torch import Tensor
 
 from decoding.drafter import Drafter, Sampling
+from decoding.entropy import EntropyProbe
 from decoding.rounds import GREEDY, GenerationResult
 from decoding.spec import generate
 from decoding.tree import TreeSpec
@@ -109,9 +117,12 @@ def evaluate(
         generate(target, _as_row(prompts[i]), None, generator=gen(i), **kw)
         generate(target, _as_row(prompts[i]), drafter, generator=gen(i), **spec_kw)
     ar_runs, spec_runs = [], []
+    probe = EntropyProbe()  # the measured runs only, not the warm-up
     for i, prompt in enumerate(prompts):
         ar_runs.append(generate(target, _as_row(prompt), None, generator=gen(i), **kw))
-        spec_runs.append(generate(target, _as_row(prompt), drafter, generator=gen(i), **spec_kw))
+        spec_runs.append(
+            generate(target, _as_row(prompt), drafter, generator=gen(i), probe=probe, **spec_kw)
+        )
 
     stats = acceptance_stats(spec_runs, max(max(r.draft_lens, default=k) for r in spec_runs))
     ar_time = sum(r.total_s for r in ar_runs)
@@ -154,6 +165,7 @@ def evaluate(
         / max(sum(r.rounds_s for r in ar_runs), 1e-9),
         "greedy_match_rate": None,
         "greedy_exact_match": None,
+        "entropy_alpha": probe.summary(),
         "device": str(device),
         "dtype": str(target.dtype).removeprefix("torch."),
     }

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from decoding.drafter import Drafter, Sampling
+from decoding.entropy import EntropyProbe, chain_positions
 from decoding.rounds import (
     GREEDY,
     GenerationResult,
@@ -71,6 +72,7 @@ def generate(
     max_k: int | None = None,  # adaptive-k ceiling (default 2k)
     eos_token_ids: list[int] | None = None,  # default: the target's; [] = never stop early
     tree: TreeSpec | None = None,  # draft a tree instead of a chain (decoding/tree.py)
+    probe: EntropyProbe | None = None,  # collects (target entropy, acceptance) per judged draft
 ) -> GenerationResult:
     """Speculative decoding of `input_ids` with `drafter` (None = plain AR decoding).
 
@@ -78,7 +80,11 @@ def generate(
     must then implement `propose_tree`, and `k`/`adaptive_k` are not used.
 
     adaptive_k: k grows by 2 after a round that accepted every draft and shrinks by 1
-    otherwise (transformers' heuristic schedule), within [1, max_k]."""
+    otherwise (transformers' heuristic schedule), within [1, max_k].
+
+    probe: a `decoding.entropy.EntropyProbe` receiving the target entropy and acceptance of
+    every draft the verifier judged; its time is left out of `total_s` (a measurement, not
+    decoding)."""
     check_inputs(target, input_ids, drafter, k, sampling, max_new_tokens, attention_mask)
     device = target.device
     B = input_ids.shape[0]
@@ -95,6 +101,7 @@ def generate(
             generator=generator,
             stream=stream,
             eos_token_ids=eos_token_ids,
+            probe=probe,
         )
     hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
     state = prefill(target, input_ids, drafter, sampling, attention_mask, generator, eos_token_ids)
@@ -110,6 +117,7 @@ def generate(
         stream([[t] for t in state.first])
     generated = 1
     k_now = k
+    probe_s = 0.0
 
     while generated < max_new_tokens and not all(finished):
         k_round = min(k_now, max_new_tokens - generated - 1)  # never draft past the budget
@@ -154,6 +162,12 @@ def generate(
             # Row's token after the common prefix: its accepted draft, or its correction.
             idx = min(n_common, k_round - 1)
             next_tok = torch.where(res.num_accepted > n_common, drafts[:, idx], res.next_token)
+            if probe is not None:
+                t0 = time.perf_counter()
+                rows = torch.tensor([not f for f in finished], device=device)
+                probe.add(*chain_positions(drafts, q, out.logits, res.num_accepted, sampling, rows))
+                sync(device)
+                probe_s += time.perf_counter() - t0
         emitted = step_ids[:, 1 : n_common + 1]  # [B, n] accepted drafts
         emitted = torch.cat([emitted, next_tok[:, None]], 1)  # [B, n+1]
         # ---- roll back the rejected tail -----------------------------------------------
@@ -183,5 +197,5 @@ def generate(
             k_now = min(k_now + 2, max_k) if n_common == k_round else max(1, k_now - 1)
 
     sync(device)
-    result.total_s = time.perf_counter() - state.t_start
+    result.total_s = time.perf_counter() - state.t_start - probe_s
     return result

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from decoding.drafter import Drafter, Sampling
+from decoding.entropy import EntropyProbe, tree_positions
 from decoding.rounds import (
     GREEDY,
     GenerationResult,
@@ -50,6 +51,7 @@ from decoding.rounds import (
     sync,
 )
 from decoding.verify import node_depths, tree_verify
+from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput
 
 # 15 nodes, depth 4: the verify forward of 16 positions costs ~1.3x a 1-token forward in
@@ -175,9 +177,12 @@ def tree_attention_mask(
     return zero.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def compact_cache(cache: DynamicCache, past_len: int, keep: Tensor) -> None:
+def compact_cache(cache: DynamicCache | StaticKVCache, past_len: int, keep: Tensor) -> None:
     """Keep the cache's first `past_len` positions plus, per row, the tree positions `keep`
     [B, m] (offsets after past_len, in order); drop everything else. In place."""
+    if isinstance(cache, StaticKVCache):  # the compiled path's cache (decoding/compiled.py)
+        cache.compact(past_len, keep)
+        return
     B, m = keep.shape
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
@@ -247,9 +252,11 @@ def generate_tree(
     generator: torch.Generator | None = None,
     stream: StreamFn | None = None,
     eos_token_ids: list[int] | None = None,
+    probe: EntropyProbe | None = None,  # (target entropy, acceptance) per judged depth
 ) -> GenerationResult:
     """Tree speculative decoding (also reachable as `decoding.spec.generate(..., tree=)`).
-    `result.draft_lens` holds each round's tree depth, `result.tree_sizes` its node count."""
+    `result.draft_lens` holds each round's tree depth, `result.tree_sizes` its node count;
+    `probe` as in `decoding.spec.generate` (its time left out of `total_s`)."""
     check_inputs(target, input_ids, drafter, 1, sampling, max_new_tokens, attention_mask)
     if not isinstance(tree, TreeSpec):
         raise ValueError(f"tree must be a decoding.tree.TreeSpec, got {type(tree).__name__}")
@@ -269,6 +276,7 @@ def generate_tree(
     if stream is not None:
         stream([[t] for t in state.first])
     generated = 1
+    probe_s = 0.0
 
     while generated < max_new_tokens and not all(finished):
         max_depth = min(tree.max_depth, max_new_tokens - generated - 1)  # never past the budget
@@ -293,6 +301,15 @@ def generate_tree(
         res = tree_verify(tokens, parents, q, out.logits, sampling, generator)
         n_rows = res.num_accepted.tolist()
         n_common = min(n_rows[b] for b in range(B) if not finished[b])
+        if probe is not None and N > 0:
+            t0 = time.perf_counter()
+            rows = torch.tensor([not f for f in finished], device=device)
+            H, accept = tree_positions(
+                tokens, parents, q, out.logits, res.path, res.num_accepted, sampling, rows
+            )
+            probe.add(H, accept)
+            sync(device)
+            probe_s += time.perf_counter() - t0
         # A finished row's accepted path may be shorter than n: its -1 entries point at node
         # 0 instead (any node will do: the row emits nothing and its outputs are not read).
         path = res.path[:, :n_common].clamp_min(0)  # [B, n] node ids
@@ -327,5 +344,5 @@ def generate_tree(
             stream(new)
 
     sync(device)
-    result.total_s = time.perf_counter() - state.t_start
+    result.total_s = time.perf_counter() - state.t_start - probe_s
     return result

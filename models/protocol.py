@@ -6,7 +6,9 @@ Alignment convention (the one place off-by-ones are decided):
     A draft LM has offsets [0]; Medusa head i has offset i+1; EAGLE unroll step s and
     MTP depth d are shifted by the model so that the same rule holds.
 The training loop drops positions where `t + offset >= T` and applies the loss mask at
-`t + offset` (1 where x_{t+offset+1} is an assistant token).
+`t + offset` (1 where x_{t+offset+1} is an assistant token). A draft that trains at sampled
+positions only (DFlash's anchors) returns its logits at those positions, `positions` [B, N]
+giving each row's t; the same rule then holds row by row.
 
 The decoder's adapter for each draft kind lives in decoding/drafters/ (`make_drafter`),
 above this layer. Casting a draft or a target for decoding goes through
@@ -38,6 +40,17 @@ class DraftOutput:
     # over real tokens, which the training step computes (train/step_stats.py: aux_loss).
     adapted_logits: Tensor | None = None
     adapted_loss_weight: float = 0.0
+    # A draft trained at sampled positions only (DFlash / Domino anchors): logits[i] is
+    # [B, N, V_draft] and its row n of batch row b sits at position t = positions[b, n]
+    # (-1 = padding, never trained). None = every position, logits [B, T, V_draft].
+    positions: Tensor | None = None  # [B, N] long
+    # The draft's own weight per offset (DFlash: exp(-(i-1)/gamma) for block position i);
+    # None = train.offset_decay ** i.
+    offset_weights: list[float] | None = None
+    # Domino's curriculum: the backbone's own logits (one per offset, laid out as `logits`)
+    # and their share w of the loss: (1 - w) * loss(logits) + w * loss(base_logits).
+    base_logits: list[Tensor] | None = None
+    base_loss_weight: float = 0.0
     extras: dict[str, Tensor] = field(default_factory=dict)  # anything worth logging
 
 

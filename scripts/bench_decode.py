@@ -14,6 +14,15 @@ smoke runs only) add chain vs tree rows (decoding/tree.py):
   ours_medusa_chain / ours_medusa_static     Medusa heads, k-chain / static tree (--paths)
   ours_eagle_chain / ours_eagle_dynamic      EAGLE heads, k-chain / EAGLE-2 dynamic tree
 `--methods` keeps only the named rows (hf_generate and ours_ar are always measured).
+`--compile` adds the compiled path (decoding/compiled.py, docs/fastpath.md) beside every row
+of our loop: `<row>_compiled` runs the same drafter over a CompiledTarget (static KV cache,
+torch.compile of the fixed-width forwards, CUDA graphs on CUDA), and `ours_ar_compiled` is
+its AR baseline. Speedups are reported against both AR baselines: `speedup_vs_ours_ar`
+(eager AR) and `speedup_vs_ours_ar_compiled`; the markdown's second table puts "speedup
+eager" (eager row vs eager AR) beside "speedup compiled" (compiled row vs compiled AR).
+Compiling happens before any timing (the CompiledTargets are built once for every
+temperature); its seconds are reported apart (`compile_s` per row, `compile` in the JSON),
+and `graphs_timed` counts graphs compiled inside timed calls (0, else the timing is void).
 
 Timing: one warm-up per method; then the methods run INTERLEAVED per prompt (prompt 1: every
 method in turn, then prompt 2, ...), --repeats passes with the method order rotated by one per
@@ -33,9 +42,13 @@ norm + the tied head (same tokenizer by construction). The same draft serves our
     .venv/bin/python scripts/bench_decode.py --out runs/bench/decode.json
     .venv/bin/python scripts/bench_decode.py --methods none --medusa runs/medusa_kl/seed0/checkpoints/step_00000200 \
         --eagle runs/eagle_tv/seed0/checkpoints/step_00000200 --out runs/bench/tree.json
+    .venv/bin/python scripts/bench_decode.py --compile --methods none \
+        --eagle runs/eagle_tv/seed0/checkpoints/step_00000200 --out runs/bench/compiled.json
     # smoke run (seconds), tiny random target:
     .venv/bin/python scripts/bench_decode.py --target tiny --draft-layers 1 --draft-last-layers 0 \
         --num-prompts 2 --max-new-tokens 16 --repeats 2 --temperatures 0 --out /tmp/bench_tiny.json
+    # the same with compiled rows, no code generation (tracing only, seconds):
+    ... --compile --compile-mode aot_eager --eagle fresh
 """
 
 from __future__ import annotations
@@ -46,12 +59,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from decoding.compiled import MODES, STATS, CompiledTarget, resolve_mode  # noqa: E402
 from decoding.drafter import Drafter, Sampling  # noqa: E402
 from decoding.drafters import make_drafter  # noqa: E402
 from decoding.drafters.draft_lm import DraftLMDrafter  # noqa: E402
@@ -196,6 +211,7 @@ def ours_method(
 ) -> Method:
     def fn(ids, i):
         g = torch.Generator(device=target.device).manual_seed(seed + i)
+        graphs = STATS.graphs
         r = generate(target, ids, drafter, k=k, sampling=sampling, max_new_tokens=max_new,
                      generator=g, tree=tree)  # fmt: skip
         seq = r.sequences[0]
@@ -207,9 +223,71 @@ def ours_method(
             loop_s=r.verify_s + r.draft_s + r.overhead_s,  # the rounds: prefills left out
             total_s=r.total_s, draft_s=r.draft_s, overhead_s=r.overhead_s,
             tree_nodes=sum(n for n, d in zip(r.tree_sizes, r.draft_lens) if d > 0),
+            graphs=STATS.graphs - graphs,  # compiled during this call (compiled rows)
         )  # fmt: skip
 
     return fn
+
+
+@dataclass
+class CompiledRows:
+    """The compiled twins of our loop's rows, built once per run (their graphs serve every
+    temperature): row name -> (compiled target, drafter or None, tree or None), and the
+    seconds / graphs that building each compiled target and each drafter took."""
+
+    mode: str
+    rows: dict[str, tuple[CompiledTarget, Drafter | None, TreeSpec | None]] = field(
+        default_factory=dict
+    )
+    compile_s: dict[str, float] = field(default_factory=dict)  # "target <shape>" or row name
+    graphs: dict[str, int] = field(default_factory=dict)
+
+
+def build_compiled(
+    target: Target,
+    draft: LlamaForCausalLM,
+    heads: dict[str, torch.nn.Module],
+    trees: dict[str, TreeSpec],
+    k: int,
+    max_len: int,  # longest prompt (the warm-up one included) + max_new_tokens
+    mode: str,
+    keep: list[str] | None = None,
+) -> CompiledRows:
+    """The compiled twin of every row of our loop that `bench` runs (same `keep` filter).
+    One CompiledTarget per verify shape, padded to fixed widths: chains (1, k + 1), each
+    tree (1, its size + 1); it returns the hidden layers of every drafter it serves."""
+    makers: dict[str, tuple[str, Callable]] = {"ours_ar_compiled": ("chain", lambda t: None)}
+    if keep is None or "ours_spec_lm" in keep:
+        makers["ours_spec_lm_compiled"] = ("chain", lambda t: DraftLMDrafter(draft, t))
+    if keep is None or "ours_spec_ngram" in keep:
+        ngram = NgramDrafter(max_ngram=3, vocab_size=target.vocab_size)  # stateless per call
+        makers["ours_spec_ngram_compiled"] = ("chain", lambda t: ngram)
+    for kind, tree_kind in (("medusa", "static"), ("eagle", "dynamic")):
+        if kind in heads:
+            make = lambda t, m=heads[kind]: make_drafter(m, t)  # noqa: E731
+            makers[f"ours_{kind}_chain_compiled"] = ("chain", make)
+            makers[f"ours_{kind}_{tree_kind}_compiled"] = (tree_kind, make)
+    widths = {"chain": (1, k + 1)} | {kind: (1, tree.size + 1) for kind, tree in trees.items()}
+    layers: dict[str, set[int]] = {}  # verify shape -> the hidden layers its drafters read
+    for shape, make in makers.values():
+        eager = make(target)  # an eager drafter, only to read its hidden layers
+        layers.setdefault(shape, set()).update(eager.hidden_layers if eager else ())
+    out = CompiledRows(resolve_mode(mode, target.device))
+    compiled: dict[str, CompiledTarget] = {}
+    for shape in layers:
+        graphs, seconds = STATS.graphs, STATS.seconds
+        compiled[shape] = CompiledTarget(
+            target, max_len + widths[shape][-1], widths[shape], sorted(layers[shape]), mode
+        )
+        compiled[shape].warmup()
+        name = f"target {shape} widths {widths[shape]}"
+        out.compile_s[name], out.graphs[name] = STATS.seconds - seconds, STATS.graphs - graphs
+    for name, (shape, make) in makers.items():
+        graphs, seconds = STATS.graphs, STATS.seconds
+        tree = None if shape == "chain" else trees[shape]
+        out.rows[name] = (compiled[shape], make(compiled[shape]), tree)
+        out.compile_s[name], out.graphs[name] = STATS.seconds - seconds, STATS.graphs - graphs
+    return out
 
 
 def run_interleaved(
@@ -254,9 +332,12 @@ def summarize(runs: dict[str, list[list[dict]]], greedy: bool) -> list[dict]:
     for name, reps in runs.items():
         calls = [c for rep in reps for c in rep]
         row = {"method": name, "tokens_per_s": spread(tps[name])}
-        for ref in ("ours_ar", "hf_generate"):
+        for ref in ("ours_ar", "ours_ar_compiled", "hf_generate"):
             if ref in tps:
                 row[f"speedup_vs_{ref}"] = spread([a / b for a, b in zip(tps[name], tps[ref])])
+        twin = name.removesuffix("_compiled")
+        if twin != name and twin in tps:  # the compiled row against its eager twin
+            row["speedup_vs_eager"] = spread([a / b for a, b in zip(tps[name], tps[twin])])
         row |= tau_figures(
             [n for c in calls for n in c["accept_counts"]],
             [d for c in calls for d in c["draft_lens"]],
@@ -277,6 +358,7 @@ def summarize(runs: dict[str, list[list[dict]]], greedy: bool) -> list[dict]:
             row["ms_per_round"] = 1e3 * loop_s / row["verify_forwards"]
             nodes = sum(c["tree_nodes"] for c in calls)
             row["tree_size"] = nodes / row["drafted_forwards"] if nodes else None
+            row["graphs_timed"] = sum(c["graphs"] for c in calls)
         row["sequences"] = [c["sequence"][:16] for c in reps[0]]  # keep the JSON small
         rows.append(row)
     return rows
@@ -295,6 +377,7 @@ def bench(
     heads: dict[str, torch.nn.Module] | None = None,  # "medusa" / "eagle" -> draft model
     trees: dict[str, TreeSpec] | None = None,  # "static" / "dynamic" -> tree spec
     keep: list[str] | None = None,  # methods to run besides hf_generate and ours_ar
+    compiled: CompiledRows | None = None,  # the compiled twins of our rows (build_compiled)
 ) -> list[dict]:
     hf_kw = dict(
         max_new_tokens=max_new,
@@ -329,15 +412,25 @@ def bench(
     if "eagle" in heads:
         methods["ours_eagle_chain"] = ours(make_drafter(heads["eagle"], target))
         methods["ours_eagle_dynamic"] = ours(make_drafter(heads["eagle"], target), trees["dynamic"])
+    warm_s = {}  # compiled rows: seconds compiling graphs first needed by the warm-up call
+    for name, (target_c, drafter, tree) in (compiled.rows if compiled else {}).items():
+        methods[name] = ours_method(target_c, drafter, k, sampling, max_new, seed, tree)
+        seconds = STATS.seconds
+        methods[name](warm, 0)  # e.g. an EAGLE tree level's width: compiled here, untimed
+        warm_s[name] = STATS.seconds - seconds
     draft.generation_config.update(
         num_assistant_tokens=k,
         num_assistant_tokens_schedule="constant",
         assistant_confidence_threshold=0.0,
     )
     try:
-        return summarize(run_interleaved(methods, prompts, warm, repeats), sampling.greedy)
+        rows = summarize(run_interleaved(methods, prompts, warm, repeats), sampling.greedy)
     finally:
         hook.remove()
+    for row in rows:
+        if row["method"] in warm_s:  # building the drafter (once per run) + this warm-up
+            row["compile_s"] = compiled.compile_s[row["method"]] + warm_s[row["method"]]
+    return rows
 
 
 def fmt(x: float | None, digits: int = 2) -> str:
@@ -364,7 +457,34 @@ def markdown(all_results: dict) -> str:
                 f"| {fmt(r['tau_drafted'])} ({share:.0%}) | {fmt(r['greedy_match_rate'], 3)} "
                 f"| {fmt(r.get('overhead_share'), 3)} | {fmt(r.get('tree_size'), 1)} |"
             )
+        lines += eager_vs_compiled(results)
     return "\n".join(lines)
+
+
+def eager_vs_compiled(results: list[dict]) -> list[str]:
+    """Markdown lines: every row of our loop that has a compiled twin, its speedup over the
+    AR baseline of its own path (eager vs eager AR, compiled vs compiled AR) side by side.
+    No lines when the run had no compiled rows."""
+    by = {r["method"]: r for r in results}
+    if "ours_ar_compiled" not in by:
+        return []
+    lines = [
+        "",
+        "| method | speedup eager (vs our AR) | speedup compiled (vs our compiled AR) "
+        "| compiled ÷ eager tok/s | τ eager | τ compiled | compile s | graphs in timed calls |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, eager in by.items():
+        twin = by.get(f"{name}_compiled")
+        if twin is None:
+            continue
+        lines.append(
+            f"| {name} | {eager['speedup_vs_ours_ar']['median']:.2f} "
+            f"| {twin['speedup_vs_ours_ar_compiled']['median']:.2f} "
+            f"| {twin['speedup_vs_eager']['median']:.2f} | {fmt(eager['tau'])} "
+            f"| {fmt(twin['tau'])} | {fmt(twin['compile_s'], 1)} | {twin['graphs_timed']} |"
+        )
+    return lines
 
 
 def main() -> None:
@@ -393,6 +513,15 @@ def main() -> None:
     ap.add_argument(
         "--methods", nargs="+", help="keep only these rows (+ hf_generate, ours_ar, heads); 'none'"
     )
+    ap.add_argument(
+        "--compile", action="store_true",
+        help="add the compiled twin of every row of our loop (<row>_compiled, docs/fastpath.md)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compile-mode", default="auto", choices=MODES,
+        help="auto: CUDA graphs on CUDA, max-autotune-no-cudagraphs on CPU; aot_eager: no "
+        "code generation (smoke runs)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -421,17 +550,27 @@ def main() -> None:
 
     prompts = [encode(p) for p in PROMPTS[: args.num_prompts]]
     warm = encode(PROMPTS[-1])
-    all_results, t0 = {}, time.perf_counter()
+    t0 = time.perf_counter()
+    compiled = None
+    if args.compile:  # before any timing; the graphs serve every temperature
+        max_len = max(p.shape[1] for p in [*prompts, warm]) + args.max_new_tokens
+        compiled = build_compiled(
+            target, draft, heads, trees, args.k, max_len, args.compile_mode, args.methods
+        )
+        for name, seconds in compiled.compile_s.items():
+            print(f"[compile] {name}: {seconds:.1f}s, {compiled.graphs[name]} graphs", flush=True)
+    all_results = {}
     for temp in args.temperatures:
         sampling = Sampling(temperature=temp, top_p=args.top_p if temp > 0 else 1.0)
         label = (
             f"{target.name} {args.dtype} {args.device}, T={temp}, top_p={sampling.top_p}, k={args.k}, "
             f"max_new_tokens={args.max_new_tokens}, {len(prompts)} prompts, draft = target layers "
             f"first {args.draft_layers} + last {args.draft_last_layers}, {args.repeats} repeats"
+            + (f", compile mode {args.compile_mode}" if compiled else "")
         )
         all_results[label] = bench(
             target, draft, prompts, warm, sampling, args.k, args.max_new_tokens, args.seed,
-            repeats=args.repeats, heads=heads, trees=trees, keep=args.methods,
+            repeats=args.repeats, heads=heads, trees=trees, keep=args.methods, compiled=compiled,
         )  # fmt: skip
         print(markdown({label: all_results[label]}), flush=True)
     out = Path(args.out)
@@ -441,6 +580,17 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "bench_seconds": time.perf_counter() - t0,
+        # What compiling cost, apart from every timing: per compiled target (its warm-up)
+        # and per row (its drafter's build); `total_s` adds the warm-up calls' compiles.
+        "compile": None
+        if compiled is None
+        else {
+            "mode": compiled.mode,
+            "seconds": compiled.compile_s,
+            "graphs": compiled.graphs,
+            "total_s": STATS.seconds,
+            "total_graphs": STATS.graphs,
+        },
         "results": all_results,
     }
     out.write_text(json.dumps(payload, indent=1))

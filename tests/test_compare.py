@@ -17,7 +17,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from scipy import stats as scipy_stats
 
+from train.report.plots import plot_acceptance_vs_entropy
 from train.report.runs import (
+    bucket_labels,
     find_runs,
     group_keys,
     group_runs,
@@ -26,7 +28,7 @@ from train.report.runs import (
     summarize_group,
     t_quantile_975,
 )
-from train.report.tables import markdown_table
+from train.report.tables import entropy_table, markdown_table
 from train.report.tracking import wandb_run_settings, wandb_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,8 +54,16 @@ def _ci95(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), half
 
 
-def _table_rows(markdown: str) -> dict[str, dict[str, str]]:
-    lines = [ln for ln in markdown.splitlines() if ln.startswith("|")]
+def _table_rows(markdown: str, index: int = 0) -> dict[str, dict[str, str]]:
+    """The index-th markdown table of `markdown` -> {first cell: {column: cell}}."""
+    tables, block = [], []
+    for ln in [*markdown.splitlines(), ""]:
+        if ln.startswith("|"):
+            block.append(ln)
+        elif block:
+            tables.append(block)
+            block = []
+    lines = tables[index]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
     return {r[header[0]]: r for r in rows}
@@ -134,7 +144,22 @@ def test_compare_table_matches_run_summaries(sweep, tmp_path):
         assert group["tau"]["greedy"]["values"] == [e["greedy/tau"] for e in evals]  # exact
         assert group["train_time_s"]["values"] == [s["train_s"] for s in summaries]
 
-    for name in ("tau_vs_step.png", "acceptance_per_position.png", "proxy_vs_measured.png"):
+        # Acceptance vs target entropy: the second table, one row per loss (greedy only here).
+        entropy = _table_rows(table, 1)[loss]
+        records = [e["greedy/entropy_alpha"] for e in evals]
+        assert entropy["sampling"] == "greedy" and entropy["seeds"] == "0,1"
+        mean, half = _ci95([x["slope"] for x in records])
+        assert entropy["slope (per nat)"] == f"{mean:.3f} ± {half:.3f}"
+        assert entropy["positions"] == str(sum(sum(x["count"]) for x in records))
+        assert sum(records[0]["count"]) > 0
+        for i, label in enumerate(bucket_labels(records[0]["edges"])):
+            alphas = [x["alpha"][i] for x in records if x["alpha"][i] is not None]
+            n = sum(x["count"][i] for x in records)
+            want = f"{statistics.fmean(alphas):.3f} (n={n})" if alphas else "–"
+            assert entropy[f"α, H ∈ {label}"] == want
+
+    plots = ("tau_vs_step.png", "acceptance_per_position.png", "proxy_vs_measured.png")
+    for name in (*plots, "acceptance_vs_entropy.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000, name
 
@@ -155,7 +180,15 @@ def test_t_quantile_matches_scipy():
         t_quantile_975(0)
 
 
-def _fake_run(root: Path, loss: str, seed: int, tau: float, wall: float, alpha: list) -> Path:
+def _fake_run(
+    root: Path,
+    loss: str,
+    seed: int,
+    tau: float,
+    wall: float,
+    alpha: list,
+    entropy: dict | None = None,
+) -> Path:
     d = root / f"{loss}-{seed}"
     d.mkdir(parents=True)
     cfg = {
@@ -170,6 +203,7 @@ def _fake_run(root: Path, loss: str, seed: int, tau: float, wall: float, alpha: 
     ev = {"greedy/tau": tau, "greedy/alpha": alpha, "greedy/speedup": tau / 2,
           "greedy/proxy_tau": tau + 0.5, "T0.7/tau": tau - 0.2, "T0.7/alpha": [0.5, 0.4, 0.3],
           "tau": tau, "speedup": tau / 2, "step": 10}  # fmt: skip
+    ev.update({f"{tag}/entropy_alpha": rec for tag, rec in (entropy or {}).items()})
     (d / "metrics.jsonl").write_text(json.dumps({"kind": "eval", **ev}) + "\n")
     summary = {"wall_s": wall, "steps": 10, "final_eval": ev, "final_train": {"loss": 1.0}}
     (d / "summary.json").write_text(json.dumps(summary))
@@ -205,6 +239,84 @@ def test_grouping_and_interval_on_synthetic_runs(tmp_path):
         load_run(tmp_path / "unfinished")
 
 
+EDGES = [0.0, 0.5, 1.0, 2.0, 3.0, 4.0, None]
+
+
+def _entropy_record(slope: float, alpha: list, count: list) -> dict:
+    return {"edges": EDGES, "count": count, "alpha": alpha, "slope": slope, "intercept": 0.9}
+
+
+def test_entropy_table_and_plot_on_synthetic_runs(tmp_path):
+    """Slope ± t-interval over seeds, bucket means over seeds with pooled counts, per group
+    and temperature; a run evaluated before the measurement existed adds nothing; the plot has
+    a panel per temperature and a line per group."""
+    count = [3, 2, 1, 0, 0, 4]
+    for seed, slope in enumerate([-0.2, -0.1, -0.3]):
+        alpha = [0.9 - 0.1 * seed, 0.6, 0.5, None, None, 0.1 * seed]
+        greedy = _entropy_record(slope, alpha, count)
+        sampled = _entropy_record(slope / 2, [0.8, 0.7, 0.6, None, None, 0.3], count)
+        _fake_run(tmp_path, "kl", seed, 2.0, 10.0, [0.9], {"greedy": greedy, "T0.7": sampled})
+    _fake_run(
+        tmp_path, "tv", 0, 3.0, 9.0, [0.9], {"greedy": _entropy_record(-0.5, [1.0] * 6, count)}
+    )
+    _fake_run(tmp_path, "tv", 1, 3.0, 9.0, [0.9])  # evaluated before entropy_alpha existed
+    groups = group_runs(find_runs([tmp_path]))
+    md = entropy_table(groups, ["loss.name"])
+    lines = [ln for ln in md.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+    assert [(r["loss.name"], r["sampling"], r["seeds"]) for r in rows] == [
+        ("kl", "greedy", "0,1,2"), ("kl", "T0.7", "0,1,2"), ("tv", "greedy", "0"),
+    ]  # fmt: skip
+    kl, kl_t, tv = rows
+    mean, half = _ci95([-0.2, -0.1, -0.3])
+    assert kl["slope (per nat)"] == f"{mean:.3f} ± {half:.3f}" == "-0.200 ± 0.248"
+    assert kl["intercept"] == "0.900 ± 0.000" and kl["positions"] == str(3 * sum(count))
+    assert kl["α, H ∈ [0, 0.5)"] == "0.800 (n=9)" and kl["α, H ∈ [4, ∞)"] == "0.100 (n=12)"
+    assert kl["α, H ∈ [2, 3)"] == "–"  # an empty bucket: no number, not 0
+    assert kl_t["slope (per nat)"] == "-0.100 ± 0.124" and kl_t["α, H ∈ [4, ∞)"] == "0.300 (n=12)"
+    assert tv["slope (per nat)"] == "-0.500" and tv["positions"] == str(sum(count))  # one run
+    assert "nats" in md and "Σ min(p, q)" in md
+
+    fig = plot_acceptance_vs_entropy(groups)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title().split(" ")[0] for ax in panels] == ["greedy", "T0.7"]
+    assert all("nats" in ax.get_xlabel() for ax in panels)
+    legend = [t.get_text() for t in panels[0].get_legend().get_texts()]
+    assert legend == ["kl: slope -0.200/nat", "tv: slope -0.500/nat"]
+    tick_labels = [t.get_text() for t in panels[0].get_xticklabels()]
+    assert tick_labels == bucket_labels(EDGES)
+    kl_means = [0.8, 0.6, 0.5, 0.1]  # buckets 0, 1, 2, 5 (3 and 4 empty)
+    line = panels[0].containers[0].lines[0]  # the first errorbar's data line: group kl
+    assert list(line.get_ydata()) == pytest.approx(kl_means)
+
+    # Runs bucketed at other edges cannot share a column.
+    odd = _entropy_record(-0.1, [0.5, 0.5], [1, 1])
+    odd["edges"] = [0.0, 1.0, None]
+    _fake_run(tmp_path / "odd", "ce", 0, 2.0, 9.0, [0.9], {"greedy": odd})
+    with pytest.raises(ValueError, match="ENTROPY_EDGES"):
+        entropy_table(group_runs(find_runs([tmp_path])), ["loss.name"])
+    report = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compare.py"), str(tmp_path), "--out", str(report),
+         "--by", "loss.name"],
+        env=ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "ENTROPY_EDGES" in proc.stderr
+    (tmp_path / "odd" / "ce-0" / "summary.json").unlink()  # back to comparable runs
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compare.py"), str(tmp_path), "--out", str(report)],
+        env=ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    written = (report / "comparison.md").read_text()
+    assert "## Acceptance vs target entropy" in written and _table_rows(written, 1)["kl"]
+    data = (report / "acceptance_vs_entropy.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+    group = json.loads((report / "comparison.json").read_text())["groups"][0]
+    assert group["entropy_alpha"]["greedy"]["slope"]["values"] == [-0.2, -0.1, -0.3]
+
+
 def test_wandb_run_settings_and_summary(sweep):
     for d in sorted(p.parent for p in sweep.rglob("summary.json")):
         cfg = yaml.safe_load((d / "config.yaml").read_text())
@@ -219,6 +331,8 @@ def test_wandb_run_settings_and_summary(sweep):
         assert flat["final/greedy/tau"] == summary["final_eval"]["greedy/tau"]
         assert flat["final/greedy/alpha_2"] == summary["final_eval"]["greedy/alpha"][1]
         assert flat["final/train_wall_s"] == summary["wall_s"]
+        slope = summary["final_eval"]["greedy/entropy_alpha"]["slope"]
+        assert flat["final/greedy/entropy_slope"] == slope and slope is not None
     # A run_dir outside the runs/<name>/<overrides>/seed<N> scheme groups by its fields.
     cfg = {"name": "x", "seed": 3, "run_dir": "/tmp/somewhere", "draft": {"kind": "medusa"},
            "loss": {"name": "tv"}, "data": {"source": "/d/chat.jsonl", "regenerate": False}}  # fmt: skip

@@ -86,6 +86,20 @@ def test_overrides_reach_the_decoder(run_dir):
     assert "T0.7/tau" not in result
 
 
+def test_compile_flags_add_the_compiled_path(run_dir):
+    """--compile decodes through the compiled path too (docs/fastpath.md): its keys beside the
+    eager ones, the same tokens in fp32; a bad --compile-mode is refused at start-up."""
+    flags = [str(run_dir), "--temperatures", "0", "--num-prompts", "2", "--max-new-tokens", "6",
+             "--dtype", "fp32", "--compile", "--compile-mode", "aot_eager"]  # fmt: skip
+    result = ev.main(flags)
+    assert result["greedy/compiled_tau"] == result["greedy/tau"]
+    assert result["compiled_graphs"] > 0 and result["compile_s"] > 0
+    assert result["speedup_compiled"] == result["greedy/compiled_speedup"]
+    with pytest.raises(ValueError, match="decode.compile_mode"):
+        ev.main([*flags[:-1], "fastest"])
+    assert "speedup_compiled" not in ev.main(flags[:-3])  # without --compile: eager only
+
+
 def test_jsonl_prompts_are_rendered_like_the_eval_prompts(run_dir, tmp_path):
     """The run's eval prompts, given as a jsonl of their user text, decode exactly as the
     run's own evaluation of them did: same chat template, same generation prompt."""
@@ -153,7 +167,7 @@ def test_a_run_naming_the_target_loaders_old_place_still_evaluates(run_dir, tmp_
     cfg.target._target_ = "train.target.build_tiny_random"
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     flags = ("k", "temperatures", "top_p", "top_k", "max_new_tokens", "num_prompts", "seed")
-    flags += ("dtype", "tree", "target_path", "device")
+    flags += ("dtype", "compile", "compile_mode", "tree", "target_path", "device")
     loaded = ev.run_config(tmp_path, argparse.Namespace(**dict.fromkeys(flags)))
     assert loaded.target._target_ == "models.target_loaders.build_tiny_random"
     assert callable(get_method(loaded.target._target_))

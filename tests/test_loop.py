@@ -248,6 +248,14 @@ def test_time_budget_stops_with_checkpoint_and_eval(tmp_path):
         run(compose_debug(tmp_path / "bad", "train.time_budget_s=0"))
 
 
+def test_eval_every_evaluates_multiples_and_the_last_step(tmp_path):
+    from train.loop import run
+
+    run(compose_debug(tmp_path, "train.steps=5", "train.ckpt_every=1", "train.eval_every=2"))
+    evals = [x["step"] for x in _lines(tmp_path) if x["kind"] == "eval"]
+    assert evals == [2, 4, 5]  # every checkpoint is written, only these are evaluated
+
+
 def test_lr_schedule_follows_the_time_budget():
     from train.loop import _lr_lambda
 
@@ -290,6 +298,7 @@ BAD_SETTINGS = [
         "replay.k=3 drafts per round but the MTP draft has draft.model.num_depths=2",
     ),
     (["data.num_eval=0"], "eval_at_ckpt=true but the data has no eval prompts"),
+    (["train.eval_every=0"], "train.eval_every must be a number of steps >= 1 or null"),
     ([REPLAY, "replay.every=0"], r"replay.every \(0\)"),
     ([REPLAY, "replay.num_prompts=0"], r"replay.num_prompts \(0\)"),
     ([REPLAY, "replay.k=0"], "replay.k .* must be >= 1"),

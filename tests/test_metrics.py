@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 
+import decoding.metrics
 import decoding.rounds
 import decoding.spec
 from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.metrics import acceptance_stats, evaluate, greedy_match
 from decoding.rounds import GenerationResult
 from decoding.spec import generate
+from models.draft_lm import DraftLM
 from tests.test_spec import make_target, noisy_copy, prompt_ids, shifted_copy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_acceptance_stats_by_hand():
@@ -61,6 +66,10 @@ def test_evaluate_perfect_and_wrong_drafts():
     assert perfect["accept_hist"] == [0, 0, 0, 6]
     assert perfect["greedy_match_rate"] == 1.0 and perfect["greedy_exact_match"] == 1.0
     assert perfect["new_tokens"] == perfect["ar_new_tokens"] == 2 * 13
+    # Every judged draft was accepted: 2 prompts x 3 rounds x k, each with acceptance 1.
+    ent = perfect["entropy_alpha"]
+    assert sum(ent["count"]) == 2 * 3 * k
+    assert [a for a in ent["alpha"] if a is not None] == [1.0] * sum(c > 0 for c in ent["count"])
     wrong = evaluate(
         target,
         DraftLMDrafter(shifted_copy(target.model)),
@@ -74,6 +83,10 @@ def test_evaluate_perfect_and_wrong_drafts():
     assert wrong["accept_hist"] == [2 * 10, 0, 0, 0]  # 1 prefill + 10 rounds + 1 AR step
     assert wrong["verify_rounds"] == 2 * 11 and wrong["drafted_rounds"] == 2 * 10
     assert wrong["greedy_match_rate"] == 1.0 and wrong["greedy_exact_match"] == 1.0
+    # One judged draft per drafted round (rejected at once), every one with acceptance 0.
+    ent = wrong["entropy_alpha"]
+    assert sum(ent["count"]) == wrong["drafted_rounds"]
+    assert [a for a in ent["alpha"] if a is not None] == [0.0] * sum(c > 0 for c in ent["count"])
     for key in (
         "tokens_per_s",
         "ar_tokens_per_s",
@@ -137,3 +150,48 @@ def test_drafter_prefill_is_not_a_per_round_cost(monkeypatch):
     )  # fmt: skip
     assert one.draft_prefill_s == pytest.approx(10.0 + clock.tick)
     assert one.draft_s == pytest.approx(clock.tick * 2 * sum(d > 0 for d in one.draft_lens))
+
+
+def test_checkpoint_evaluation_reports_acceptance_vs_entropy_per_temperature():
+    """evaluate_checkpoint at T = 0, 0.7, 1.0 (cfg.decode.temperatures): `<tag>/entropy_alpha`
+    for each, counting every draft the verifier judged (the accepted ones and each round's
+    first rejection), JSON-able as the eval records are written."""
+    from hydra import compose, initialize_config_dir
+
+    from train.evaluate import evaluate_checkpoint
+
+    target = make_target()
+    overrides = ["decode.temperatures=[0.0,0.7,1.0]", "decode.max_new_tokens=16", "decode.k=3"]
+    overrides += ["decode.dtype=fp32", "decode.warmup=0"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("train", overrides=overrides)
+    prompts = [{"input_ids": prompt_ids(target, p)[0].tolist()} for p in ("hello", "a poem")]
+    spec_runs = []  # what the evaluation decoded, to count the judged drafts independently
+    real_generate = decoding.metrics.generate
+
+    def recording_generate(*args, probe=None, **kwargs):
+        result = real_generate(*args, probe=probe, **kwargs)
+        if probe is not None:
+            spec_runs.append(result)
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoding.metrics, "generate", recording_generate)
+        draft = DraftLM(noisy_copy(target.model, 0.8))
+        result, _ = evaluate_checkpoint(target, draft, prompts, cfg, None)
+    json.dumps(result, allow_nan=False)
+    assert len(spec_runs) == 3 * len(prompts)
+    for i, tag in enumerate(("greedy", "T0.7", "T1")):
+        ent = result[f"{tag}/entropy_alpha"]
+        assert set(ent) == {"edges", "count", "alpha", "slope", "intercept"}
+        assert ent["edges"] == [0.0, 0.5, 1.0, 2.0, 3.0, 4.0, None]
+        runs = spec_runs[i * len(prompts) : (i + 1) * len(prompts)]
+        judged = sum(
+            min(n + 1, d) for r in runs for n, d in zip(r.accept_counts, r.draft_lens) if d > 0
+        )
+        assert sum(ent["count"]) == judged > 0
+        accepted = sum(sum(r.accept_counts) for r in runs)
+        mean = sum(a * c for a, c in zip(ent["alpha"], ent["count"]) if c) / judged
+        if tag == "greedy":  # 0/1 outcomes: their sum is the accepted drafts
+            assert mean * judged == pytest.approx(accepted)
+        assert 0.0 <= mean <= 1.0 and ent["slope"] is not None

@@ -9,16 +9,29 @@ temperature `decoding.metrics.evaluate` measures tau, per-position acceptance an
 against AR on the same prompts in the same call; next to it we log the training proxy's
 prediction at that same sampling (simulated tau from alpha = sum min(p, q) at the decode's
 temperature / top-k / top-p for T > 0, from top-1 agreement for greedy; train/step_stats.py)
-and its error, so a train/decode mismatch (high proxy, tau ~ 1) shows up at once.
+and its error, so a train/decode mismatch (high proxy, tau ~ 1) shows up at once. Each
+temperature also records acceptance against the target's entropy (`<tag>/entropy_alpha`:
+bucket edges, positions and mean acceptance per bucket, least-squares slope and intercept;
+decoding/entropy.py, docs/design.md §3).
+
+`decode.compile=true` also decodes every temperature through the compiled path
+(decoding/compiled.py, docs/fastpath.md) and logs `<tag>/compiled_<key>` beside the eager
+keys, its speedup against a compiled AR baseline; `compile_s` and `compiled_graphs` say what
+compiling cost at this checkpoint. The compiled target and one draft copy with its drafter
+are built at a run's first evaluation and kept (`DecodeCopies`): later checkpoints copy their
+weights into that copy in place, so no graph is compiled again.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.compiled import STATS, CompiledTarget
+from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
 from decoding.metrics import evaluate
 from decoding.tree import TreeSpec
@@ -43,15 +56,56 @@ def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
     return cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
 
 
+# What the compiled path reports beside the eager keys, as <tag>/compiled_<key>.
+COMPILED_KEYS = ("tau", "speedup", "tokens_per_s", "ar_tokens_per_s", "wall_time_ratio",
+                 "greedy_match_rate")  # fmt: skip
+
+
+@dataclass
+class DecodeCopies:
+    """What evaluate_checkpoint keeps for a run's next checkpoint."""
+
+    target: Target  # the frozen target in the decoding dtype
+    compiled: CompiledTarget | None = None  # decode.compile: its compiled target, and the
+    draft: torch.nn.Module | None = None  # draft copy (weights copied in at each checkpoint)
+    drafter: Drafter | None = None  # and drafter whose graphs read them
+
+
+def compiled_decoding(
+    copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
+    dec: DictConfig, tree: TreeSpec | None, max_len: int,
+) -> tuple[CompiledTarget, Drafter]:  # fmt: skip
+    """The compiled target and drafter for this checkpoint's `draft_eval`. Built once; later
+    checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
+    in place: a new module would compile new graphs."""
+    adapted = decode_target is not copies.target  # Medusa-2: weights change per checkpoint
+    if copies.compiled is None:
+        k = int(dec.k)
+        widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
+        if tree is None and dec.get("adaptive_k", False):
+            widths += (2 * k + 1,)  # adaptive k reaches 2k
+        copies.compiled = CompiledTarget(
+            decode_target, max_len + max(widths), widths, drafter.hidden_layers,
+            mode=dec.get("compile_mode", "auto"), freeze=False if adapted else None,
+        )  # fmt: skip
+        copies.compiled.warmup()
+        copies.draft, copies.drafter = draft_eval, make_drafter(draft_eval, copies.compiled)
+    else:
+        copies.draft.load_state_dict(draft_eval.state_dict())
+        if adapted:
+            copies.compiled.model.load_state_dict(decode_target.model.state_dict())
+    return copies.compiled, copies.drafter
+
+
 def evaluate_checkpoint(
     target: Target,
     draft: torch.nn.Module,
     eval_prompts: list[dict],
     cfg: DictConfig,
     proxy: dict | None,
-    target_eval: Target | None = None,
-) -> tuple[dict, Target]:
-    """-> (flat JSON-able metrics, the bf16 target copy to reuse at the next checkpoint)."""
+    target_eval: DecodeCopies | None = None,
+) -> tuple[dict, DecodeCopies]:
+    """-> (flat JSON-able metrics, the decoding copies to reuse at the next checkpoint)."""
     dec = cfg.decode
     dtype = resolve_dtype(dec.get("dtype", "bfloat16"))
     k = int(dec.get("k", 4))
@@ -59,14 +113,14 @@ def evaluate_checkpoint(
     if dec.get("tree") is not None:
         tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
     if target_eval is None:
-        target_eval = decode_copy(target, dtype)
+        target_eval = DecodeCopies(decode_copy(target, dtype))
     draft_eval = draft_decode_copy(draft, dtype)
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = (
-        draft_eval.merged_target(target_eval)
+        draft_eval.merged_target(target_eval.target)
         if hasattr(draft_eval, "merged_target")
-        else target_eval
+        else target_eval.target
     )
     drafter = make_drafter(draft_eval, decode_target)
     num = dec.get("num_prompts") or len(eval_prompts)
@@ -78,21 +132,30 @@ def evaluate_checkpoint(
         torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in eval_prompts[:num]
     ]
     result: dict = {"k": k, "num_prompts": len(prompts)}
+    max_new_tokens = int(dec.get("max_new_tokens", 64))
+    compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
+    if dec.get("compile", False):
+        graphs, seconds = STATS.graphs, STATS.seconds
+        max_len = max(p.shape[1] for p in prompts) + max_new_tokens
+        compiled = compiled_decoding(
+            target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
+        )
     samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
     for tag, sampling in samplings.items():
+        kw = dict(
+            k=k,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            warmup=int(dec.get("warmup", 1)),
+            seed=int(dec.get("seed", cfg.seed)),
+            adaptive_k=bool(dec.get("adaptive_k", False)),
+            tree=tree,
+        )
         with torch.no_grad():
-            m = evaluate(
-                decode_target,
-                drafter,
-                prompts,
-                k=k,
-                sampling=sampling,
-                max_new_tokens=int(dec.get("max_new_tokens", 64)),
-                warmup=int(dec.get("warmup", 1)),
-                seed=int(dec.get("seed", cfg.seed)),
-                adaptive_k=bool(dec.get("adaptive_k", False)),
-                tree=tree,
-            )
+            m = evaluate(decode_target, drafter, prompts, **kw)
+            if compiled is not None:
+                mc = evaluate(*compiled, prompts, **kw)
+                result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
         for key, value in m.items():
             result[f"{tag}/{key}"] = value
         # The proxy computed at this very sampling; absent from train records written
@@ -106,26 +169,41 @@ def evaluate_checkpoint(
     first = "greedy" if "greedy" in samplings else next(iter(samplings))
     result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
     result["speedup"] = result.get(f"{first}/speedup")
+    if compiled is not None:
+        result["speedup_compiled"] = result[f"{first}/compiled_speedup"]
+        result["compile_s"] = STATS.seconds - seconds  # 0 once a run's graphs exist
+        result["compiled_graphs"] = STATS.graphs - graphs
     return result, target_eval
 
 
 def format_eval_table(evals: list[dict]) -> str:
-    """A markdown table of the per-checkpoint evaluations: τ, α_i and speedup per temperature."""
+    """A markdown table of the per-checkpoint evaluations: τ, α_i and speedup per temperature;
+    with decode.compile, the compiled path's speedup (vs compiled AR) and tokens/s beside the
+    eager ones."""
     rows = []
+    compiled = any(key.endswith("/compiled_speedup") for ev in evals for key in ev)
     for ev in evals:
         for key, tau in ev.items():
             if not key.endswith("/tau"):
                 continue
             tag = key[: -len("/tau")]
             alpha = " ".join("-" if a is None else f"{a:.2f}" for a in ev.get(f"{tag}/alpha", []))
-            rows.append(
+            row = (
                 f"| {ev.get('step', '?')} | {tag} | {tau:.3f} | {alpha} "
                 f"| {ev.get(f'{tag}/speedup', float('nan')):.2f}x "
                 f"| {ev.get(f'{tag}/tokens_per_s', float('nan')):.1f} "
                 f"| {ev.get(f'{tag}/ar_tokens_per_s', float('nan')):.1f} |"
             )
-    head = (
-        "| step | sampling | τ | α per position | speedup vs AR | tok/s spec | tok/s AR |\n"
-        "|---|---|---|---|---|---|---|"
-    )
-    return "\n".join([head, *rows])
+            if compiled:
+                row += (
+                    f" {ev.get(f'{tag}/compiled_speedup', float('nan')):.2f}x "
+                    f"| {ev.get(f'{tag}/compiled_tokens_per_s', float('nan')):.1f} "
+                    f"| {ev.get(f'{tag}/compiled_ar_tokens_per_s', float('nan')):.1f} |"
+                )
+            rows.append(row)
+    head = "| step | sampling | τ | α per position | speedup vs AR | tok/s spec | tok/s AR |"
+    rule = "|---|---|---|---|---|---|---|"
+    if compiled:
+        head += " speedup compiled (vs compiled AR) | tok/s spec compiled | tok/s AR compiled |"
+        rule += "---|---|---|"
+    return "\n".join([head, rule, *rows])

@@ -28,7 +28,8 @@ adapted target) and `base_model_name_or_path` points there: its heads read the a
   speculators  an EAGLE-3 head as vLLM loads it (`speculators_model_type: eagle3`).
   eagle        an EAGLE-3 head in the EAGLE / SGLang / SpecForge layout (`midlayer.*`,
                `LlamaForCausalLMEagle3`), or an EAGLE-1 head as vLLM's `llama_eagle.py`.
-Refused, nothing written: `mtp` (no engine serves MTP heads for a Llama target), a draft
+Refused, nothing written: `mtp` (no engine serves MTP heads for a Llama target), DFlash /
+Domino drafts (no engine format in scope: docs/dflash.md), a draft
 that does not fit the format (EAGLE: see train/export_eagle.py), a vocabulary that is not
 the target's, NaN/Inf weights, a shared target head with a bias (Medusa engines' output layers have none),
 Medusa-repository heads with more than one block per head (that repository repeats ONE
@@ -53,6 +54,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from models.dflash import DFlashDraft
 from models.draft_lm import DraftLM
 from models.medusa import MedusaHeads
 from models.mtp import MTP
@@ -241,6 +243,13 @@ def refuse(fmt: str, draft: nn.Module) -> None:
             "MTP heads are not exported: no serving engine runs MTP heads for a Llama-style "
             "target (vLLM and SGLang serve only the DeepSeek-V3 / Qwen native MTP layers of "
             "those models). Evaluate it with scripts/evaluate.py instead."
+        )
+    if isinstance(draft, DFlashDraft):  # Domino's DominoDraft too
+        raise ExportError(
+            f"{type(draft).__name__} checkpoints (draft=dflash / domino) are not exported: no "
+            "engine format for them is in scope yet (SGLang / vLLM / speculators load z-lab's "
+            "DFlash layout, which differs: a mask token id instead of the learned mask vector, "
+            "Qwen3 q/k norms). Evaluate it with scripts/evaluate.py instead."
         )
 
 

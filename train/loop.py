@@ -19,6 +19,7 @@ out of inference mode every step would cost more than inference_mode saves.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -43,12 +44,13 @@ from train.checkpoint import (
 )
 from train.data.prepare import collate, prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
+from train.feature_cache import build_feature_cache, cached_target_output
 from train.init_from import init_draft_from
 from train.losses import LOSSES
 from train.replay import Replay
 from train.report.tracking import setup_wandb_env, wandb_run_settings, wandb_summary
 from train.settings import check_settings
-from train.step_stats import StepWindow, aux_loss, offset_losses, proxy_tags
+from train.step_stats import StepWindow, aux_loss, offset_losses, offset_weights, proxy_tags
 
 
 class TrainingDiverged(RuntimeError):
@@ -158,6 +160,17 @@ def run(cfg: DictConfig) -> dict:
     if cfg.draft.get("init_from") and resume_from is None:  # resume: the checkpoint wins
         init_draft_from(cfg.draft.init_from, draft, target)
     offsets = _preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
+    features = None  # train.feature_cache: the target's features over the rows, computed once
+    if tc.get("feature_cache"):
+        with accelerator.main_process_first():  # rank 0 builds, the others read
+            first_epoch = global_rows(0, len(train_rows), len(train_rows), cfg.seed)
+            features = build_feature_cache(
+                target, train_rows, draft.hidden_layers, cfg.data.get("cache_dir"),
+                batch_size=tc.batch_size, order=first_epoch, progress=main,
+            )  # fmt: skip
+    # A draft that trains at sampled positions (DFlash / Domino anchors) takes the loss mask,
+    # to place them where x_{t+1} is trained; the others never see it.
+    takes_loss_mask = "loss_mask" in inspect.signature(draft.forward).parameters
     params = [p for p in draft.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the draft has no trainable parameters; check draft.model settings")
@@ -266,7 +279,7 @@ def run(cfg: DictConfig) -> dict:
     trained = [r for r in earlier if r["kind"] == "train"]
     proxy = trained[-1] if trained else None  # the newest train record (alpha per offset, sim tau)
     last_ckpt = str(resume_from) if resume_from else None
-    target_eval = None  # bf16 copy of the frozen target, built once at the first eval
+    target_eval = None  # decoding copies (train.evaluate.DecodeCopies), built at the first eval
     t_run = time.perf_counter()
     # With a time budget the bar counts training seconds: the step count is not known ahead.
     bar = tqdm(
@@ -284,12 +297,15 @@ def run(cfg: DictConfig) -> dict:
     last_step = start_step if out_of_time else tc.steps
     for step in range(start_step, last_step):
         t_step = time.perf_counter()
+        if hasattr(core, "set_progress"):  # a loss that follows training (Domino's curriculum)
+            core.set_progress(clock["train_s"] / budget if budget else step / tc.steps)
         rows = global_rows(step, rows_per_step, len(train_rows), cfg.seed)
-        micro = []
+        micro, chunks = [], []
         for a in range(tc.grad_accum):
             chunk = rows[
                 (a * world + rank) * tc.batch_size : (a * world + rank + 1) * tc.batch_size
             ]
+            chunks.append(chunk)
             batch = collate([train_rows[i] for i in chunk], pad_id)
             micro.append({k: v.to(accelerator.device) for k, v in batch.items()})
         # Global count of trained positions per offset (all micro-batches, all ranks).
@@ -309,19 +325,23 @@ def run(cfg: DictConfig) -> dict:
                 replay_share = replay.backward(step, draft, core, target, accelerator, offline)
         for a, b in enumerate(micro):
             t0 = time.perf_counter()
-            with torch.no_grad():
-                t_out = target(
-                    b["input_ids"],
-                    attention_mask=b["attention_mask"],
-                    hidden_layers=tuple(core.hidden_layers),
-                    use_cache=False,
-                )
+            if features is not None:
+                t_out = cached_target_output(features, target, chunks[a], b)
+            else:
+                with torch.no_grad():
+                    t_out = target(
+                        b["input_ids"],
+                        attention_mask=b["attention_mask"],
+                        hidden_layers=tuple(core.hidden_layers),
+                        use_cache=False,
+                    )
             if t_out.logits.is_cuda:
                 torch.cuda.synchronize()
             t_target += time.perf_counter() - t0
             sync = a == tc.grad_accum - 1
             with accelerator.no_sync(draft) if not sync else nullcontext():
-                out = draft(target, b["input_ids"], t_out, b["attention_mask"])
+                extra = {"loss_mask": b["loss_mask"]} if takes_loss_mask else {}
+                out = draft(target, b["input_ids"], t_out, b["attention_mask"], **extra)
                 loss = offset_losses(
                     out, t_out.logits, b, offsets, counts, loss_fn, temperature, cfg, stats
                 )
@@ -335,7 +355,8 @@ def run(cfg: DictConfig) -> dict:
         stats = accelerator.reduce(stats, reduction="sum")
         stats[3 * n_off] /= world
         grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm or float("inf"))
-        loss_value = float(sum(tc.offset_decay**i * stats[i] / counts[i] for i in range(n_off)))
+        weights = offset_weights(out, tc)  # train.offset_decay ** i, or the draft's own
+        loss_value = float(sum(weights[i] * stats[i] / counts[i] for i in range(n_off)))
         loss_value += float(stats[3 * n_off])
         if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
             bar.close()
@@ -396,7 +417,8 @@ def run(cfg: DictConfig) -> dict:
                         meta={"loss": loss_value, "name": str(cfg.name)},
                     )
                 )
-                if tc.eval_at_ckpt:
+                every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
+                if tc.eval_at_ckpt and (last or not every or done % every == 0):
                     rng = rng_state()  # evaluation must not shift the training RNG stream
                     last_eval, target_eval = evaluate_checkpoint(
                         target, core, prepared.eval_prompts, cfg, proxy, target_eval

@@ -207,7 +207,9 @@ def sampling_cutoffs(
             probs = ordered.values.softmax(-1)  # [n, V]
             kept = ((probs.cumsum(-1) - probs) < sampling.top_p).sum(-1)  # [n] >= 1
             cut = torch.maximum(cut, ordered.values.gather(-1, (kept - 1)[:, None])[:, 0])
-        lse = z.masked_fill(z < cut[:, None], float("-inf")).logsumexp(-1)  # [n]
+        if sampling.top_k or sampling.top_p < 1.0:
+            z = z.masked_fill(z < cut[:, None], float("-inf"))
+        lse = z.logsumexp(-1)  # [n]
         out.append(torch.stack([cut, lse], -1))
     return torch.cat(out) if out else target_logits.new_zeros(0, 2, dtype=torch.float32)
 

@@ -85,6 +85,12 @@ def gather_stream(
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Per offset index j with positions in `stream`: (draft rows [m, Vd], target rows
     [m, Vd] (restricted to vocab_ids), weights [m]); logits[j] at t = q - offsets[j]."""
+    if out.positions is not None:
+        raise ValueError(
+            "on-policy replay trains the draft at the rolled-out positions, but this draft "
+            "returns logits at its own sampled anchors only (DFlash / Domino); set "
+            "replay.enabled=false"
+        )
     rows, pos = batch[f"{stream}_row"], batch[f"{stream}_pos"]
     off_idx, weight = batch[f"{stream}_off"], batch[f"{stream}_weight"]
     groups = []

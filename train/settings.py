@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.compiled import resolve_mode
 from decoding.drafter import Sampling
 from decoding.tree import TreeSpec
 from decoding.verify import check_sampling
@@ -37,6 +38,12 @@ def check_train(tc: DictConfig) -> None:
     if not tc.keep_last >= 0:
         raise ValueError(
             f"train.keep_last must be >= 0 (0 = keep every checkpoint), got {tc.keep_last}"
+        )
+    every = tc.get("eval_every")
+    if every is not None and not (isinstance(every, int) and every >= 1):
+        raise ValueError(
+            f"train.eval_every must be a number of steps >= 1 or null (every checkpoint), "
+            f"got {every!r}"
         )
     budget = tc.get("time_budget_s")
     if budget is not None and not budget > 0:
@@ -93,13 +100,31 @@ def check_decode(dec: DictConfig) -> None:
     if not dec.warmup >= 0:
         raise ValueError(f"decode.warmup (untimed prompts) must be >= 0, got {dec.warmup}")
     _named("decode.dtype", resolve_dtype, dec.dtype)
+    if dec.get("compile", False) not in (True, False):
+        raise ValueError(f"decode.compile must be true or false, got {dec.compile!r}")
+    if dec.get("compile", False):
+        mode = dec.get("compile_mode", "auto")
+        _named("decode.compile_mode", resolve_mode, mode, torch.device("cpu"))
+        if not dec.warmup >= 1:
+            raise ValueError(
+                "decode.compile=true needs decode.warmup >= 1: the warm-up prompt compiles the "
+                "drafter's graphs, which must not fall into the timed decoding"
+            )
     if dec.get("tree") is not None:
         _named("decode.tree", TreeSpec, **OmegaConf.to_container(dec.tree, resolve=True))
 
 
 # decode.tree.kind each draft kind's drafter drafts (its propose_tree, decoding/drafters/):
-# eagle.py EAGLE-2 dynamic trees, medusa.py static trees; draft_lm.py and mtp.py chains only.
-TREE_KINDS = {"eagle": ("dynamic",), "medusa": ("static",), "draft_lm": (), "mtp": ()}
+# eagle.py EAGLE-2 dynamic trees, medusa.py static trees, dflash.py / domino.py dynamic trees
+# from one block; draft_lm.py and mtp.py chains only.
+TREE_KINDS = {
+    "eagle": ("dynamic",),
+    "medusa": ("static",),
+    "dflash": ("dynamic",),
+    "domino": ("dynamic",),
+    "draft_lm": (),
+    "mtp": (),
+}
 
 
 def check_draft_decode(cfg: DictConfig) -> None:
@@ -113,6 +138,8 @@ def check_draft_decode(cfg: DictConfig) -> None:
             f"draft={kind} cannot draft decode.tree.kind={tree.kind} trees "
             f"(decoding/drafters/{kind}.py); use {' or '.join(fits)}"
         )
+    if kind in ("dflash", "domino"):
+        check_block_decode(cfg)
     if kind == "mtp" and not cfg.draft.model.recursive_last:
         # decoding/drafters/mtp.py: one module per draft token unless the last one recurs.
         depths = cfg.draft.model.num_depths
@@ -128,6 +155,26 @@ def check_draft_decode(cfg: DictConfig) -> None:
                     f"{depths} modules and recursive_last=false; use k <= {depths}, more "
                     "num_depths, or draft.model.recursive_last=true"
                 )
+
+
+def check_block_decode(cfg: DictConfig) -> None:
+    """A DFlash / Domino draft drafts at most block_size - 1 tokens per round, from one block
+    (decoding/drafters/dflash.py), and trains at its own sampled anchors, which on-policy
+    replay cannot use (train/replay.py)."""
+    kind, tree = cfg.draft.kind, cfg.decode.get("tree")
+    most = cfg.draft.model.get("block_size", 8) - 1
+    wanted = ("decode.tree.depth", tree.depth) if tree is not None else ("decode.k", cfg.decode.k)
+    if wanted[1] > most:
+        raise ValueError(
+            f"{wanted[0]}={wanted[1]} but one draft={kind} block drafts at most "
+            f"draft.model.block_size - 1 = {most} tokens; use {wanted[0]} <= {most} or a larger "
+            "draft.model.block_size (trained with it)"
+        )
+    if cfg.get("replay") is not None and cfg.replay.enabled:
+        raise ValueError(
+            f"replay.enabled=true: draft={kind} trains at its own sampled anchors, not at the "
+            "positions a rollout picks; set replay.enabled=false"
+        )
 
 
 def check_replay(replay: DictConfig) -> None:

@@ -86,8 +86,29 @@ def _oov_slot(n_off: int, num_tags: int) -> int:
     return (3 + num_tags) * n_off + 1
 
 
+def offset_weights(out: DraftOutput, train_cfg: DictConfig) -> list[float]:
+    """The loss weight of each offset: the draft's own (`DraftOutput.offset_weights`, DFlash's
+    exp(-(i-1)/gamma)) or train.offset_decay ** i."""
+    if out.offset_weights is not None:
+        return list(out.offset_weights)
+    return [train_cfg.offset_decay**i for i in range(len(out.offsets))]
+
+
+def _rows_at(x: Tensor, off: int, index: Tensor | None) -> Tensor:
+    """x [B, T, ...] where an offset's logits pair with it: x[:, off:] [B, T-off, ...] for
+    logits at every position, else x at `index` [B, N] (the draft's positions + off, inside
+    the sequence) [B, N, ...]."""
+    if index is None:
+        return x[:, off:]
+    return x.gather(1, index.view(*index.shape, *(1,) * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
+
+
 def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperature, cfg, stats):
-    """Sum over offsets of gamma^i * loss_i, each normalised by the global count."""
+    """Sum over offsets of w_i * loss_i (w_i = `offset_weights`), each normalised by the
+    global count. A draft trained at sampled positions (`out.positions`, DFlash anchors) is
+    paired with the target there, and its sums are scaled up to the micro-batch's trained
+    positions (a ratio estimate: the anchors are drawn uniformly among the answer positions),
+    so every normalisation and logged mean stays a per-position mean."""
     total, n_off, T = 0.0, len(offsets), batch["input_ids"].shape[1]
     proxies = [Sampling(temperature=temperature)]  # the loss temperature, then the decode's
     proxies += [s for s in decode_samplings(cfg.decode).values() if not s.greedy]
@@ -101,7 +122,9 @@ def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperatu
     V = target_logits.shape[-1]
     flat = target_logits.reshape(-1, V)  # [B*T, V] a view
     top = target_logits.argmax(-1)  # [B, T]
-    cutoffs = [sampling_cutoffs(flat, s).view(*top.shape, 2) for s in proxies]  # [B, T, 2] each
+    # The loss temperature is usually one of the decode's (T = 1): one pass over V per sampling.
+    unique = {s: sampling_cutoffs(flat, s).view(*top.shape, 2) for s in dict.fromkeys(proxies)}
+    cutoffs = [unique[s] for s in proxies]  # [B, T, 2] each
     in_vocab = None  # [V] bool: target ids inside a reduced draft vocabulary
     mask_oov = bool(cfg.train.get("mask_out_of_vocab", False))
     if mask_oov and out.vocab_ids is None:
@@ -114,46 +137,67 @@ def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperatu
         in_vocab[out.vocab_ids.to(top.device)] = True
     options = loss_options(loss_fn, cfg.loss)  # its own settings: LK's eta, ...
     takes = inspect.signature(loss_fn).parameters
+    weights = offset_weights(out, cfg.train)
     for i, (logits, off) in enumerate(zip(out.logits, offsets, strict=True)):
         if off != out.offsets[i]:
             raise ValueError(
                 f"the draft changed its offsets between calls ({offsets} -> {out.offsets})"
             )
-        d = logits[:, : T - off].float()  # [B, T-off, Vd]
-        t = target_logits[:, off:]  # [B, T-off, V]
+        index, scale = None, 1.0  # logits at sampled positions: their targets at index [B, N]
+        if out.positions is not None:
+            index = (out.positions + off).clamp(0, T - 1)
+        d = (logits if index is not None else logits[:, : T - off]).float()  # [B, T-off|N, Vd]
+        t = _rows_at(target_logits, off, index)  # [B, T-off|N, V]
         if out.vocab_ids is not None:
             t = t.index_select(-1, out.vocab_ids.to(t.device))  # [B, T-off, Vd]
         d, t = d.reshape(-1, d.shape[-1]), t.reshape(-1, t.shape[-1])  # [N, Vd]
-        mask = batch["loss_mask"][:, off:].reshape(-1)  # [N]
-        top_i = top[:, off:].reshape(-1)  # [N] the target's argmax over its whole vocabulary
+        mask = _rows_at(batch["loss_mask"], off, index)  # [B, T-off|N]
+        if index is not None:
+            mask = mask * ((out.positions >= 0) & (out.positions + off < T))
+            scale = batch["loss_mask"][:, off:].sum() / mask.sum().clamp_min(1)
+        mask = mask.reshape(-1)  # [N]
+        top_i = _rows_at(top, off, index).reshape(-1)  # [N] the target's full-vocabulary argmax
         loss_mask = mask
         if in_vocab is not None:
             oov = ~in_vocab[top_i]  # [N] greedy misses whatever the draft does
             if i == 0:
-                stats[_oov_slot(n_off, len(proxies) - 1)] += (oov & mask.bool()).sum()
+                stats[_oov_slot(n_off, len(proxies) - 1)] += (oov & mask.bool()).sum() * scale
             if mask_oov:
                 loss_mask = mask * ~oov
         kwargs = dict(options)
         if "target_log_norm" in takes:  # the TV family: alpha over the full-vocabulary p
-            kwargs["target_log_norm"] = cutoffs[0][:, off:, 1].reshape(-1)  # [N]
+            kwargs["target_log_norm"] = _rows_at(cutoffs[0], off, index)[..., 1].reshape(-1)
         if "labels" in takes and cfg.loss.get("labels", "target") == "data":
             ids = batch["input_ids"]
             pad = ids.new_zeros(ids.shape[0], 1)
-            labels = torch.cat([ids[:, off + 1 :], pad], 1)  # [B, T-off]: x_{t+off+1}
+            labels = _rows_at(torch.cat([ids[:, 1:], pad], 1), off, index)  # x_{t+off+1}
             if out.vocab_ids is not None:
                 raise ValueError(
                     "loss.labels=data needs a full-vocabulary draft; use labels=target"
                 )
             kwargs["labels"] = labels.reshape(-1)
         loss_sum = loss_fn(d, t, loss_mask, temperature=temperature, reduction="sum", **kwargs)
-        total = total + cfg.train.offset_decay**i * loss_sum / counts[i]
+        if out.base_logits is not None and out.base_loss_weight > 0:  # Domino's curriculum
+            base = out.base_logits[i] if index is not None else out.base_logits[i][:, : T - off]
+            base_sum = loss_fn(
+                base.float().reshape(d.shape), t, loss_mask, temperature=temperature,
+                reduction="sum", **kwargs,
+            )  # fmt: skip
+            loss_sum = (1 - out.base_loss_weight) * loss_sum + out.base_loss_weight * base_sum
+        loss_sum = loss_sum * scale
+        total = total + weights[i] * loss_sum / counts[i]
         stats[i] += loss_sum.detach()
         # The decoder's view on every trained position, masked from the loss or not.
-        stats[2 * n_off + i] += top1_agreement(d, top_i, mask, out.vocab_ids, reduction="sum")
+        top1 = top1_agreement(d, top_i, mask, out.vocab_ids, reduction="sum")
+        stats[2 * n_off + i] += top1 * scale
+        alpha_sums = {}  # sampling -> this offset's alpha sum, computed once per sampling
         for j, (sampling, cut) in enumerate(zip(proxies, cutoffs, strict=True)):
-            cut_i = cut[:, off:].reshape(-1, 2)  # [N, 2]
-            alpha_sum = acceptance_proxy(d, t, mask, sampling, cut_i, reduction="sum")
-            stats[_alpha_slot(n_off, j) + i] += alpha_sum
+            if sampling not in alpha_sums:
+                cut_i = _rows_at(cut, off, index).reshape(-1, 2)  # [N, 2]
+                alpha_sums[sampling] = scale * acceptance_proxy(
+                    d, t, mask, sampling, cut_i, reduction="sum"
+                )
+            stats[_alpha_slot(n_off, j) + i] += alpha_sums[sampling]
     return total
 
 

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from models.static_cache import StaticKVCache
+
 
 def left_padding(attention_mask: Tensor | None) -> Tensor | None:
     """[B] left-padding slots per row of a prefill's attention_mask [B, T] (1 = real token);
@@ -22,7 +24,7 @@ def left_padding(attention_mask: Tensor | None) -> Tensor | None:
 
 
 def positions_and_mask(
-    start: int, length: int, pad: Tensor | None, device: torch.device
+    start: int, length: int, pad: Tensor | None, device: torch.device, kv_len: int | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Position ids and attention mask of `length` entries appended at cache slots
     start..start+length-1, attending causally to the cache and to each other.
@@ -32,18 +34,21 @@ def positions_and_mask(
     so no softmax row is empty). Returns positions [1|B, length] and a bool mask (True =
     attend) [1|B, 1, length, start+length], or None for one unpadded query (it sees the
     whole cache). The mask is spelled out because sdpa's `is_causal` is top-left aligned,
-    wrong beside a cache."""
+    wrong beside a cache. `kv_len`: a static cache's size (decoding/compiled.py), whose
+    attention reads every slot: the mask is then always given, kv_len wide, and hides the
+    slots past the new entries."""
     slots = torch.arange(start, start + length, device=device)  # cache slots of the new entries
-    keys = torch.arange(start + length, device=device)
+    keys = torch.arange(start + length if kv_len is None else kv_len, device=device)
     causal = keys[None, :] <= slots[:, None]  # [L, kv], bottom-right aligned
     if pad is None:
-        return slots[None], causal[None, None] if length > 1 else None  # [1, L], [1, 1, L, kv]
+        needed = length > 1 or kv_len is not None
+        return slots[None], causal[None, None] if needed else None  # [1, L], [1, 1, L, kv]
     positions = (slots[None, :] - pad[:, None]).clamp_min(0)  # [B, L]
     real = keys[None, :] >= pad[:, None]  # [B, kv]
     own = keys[None, :] == slots[:, None]  # [L, kv]
     return positions, (causal[None] & (real[:, None, :] | own[None]))[:, None]  # [B, 1, L, kv]
 
 
-def crop_to(cache: DynamicCache, length: int) -> None:
+def crop_to(cache: DynamicCache | StaticKVCache, length: int) -> None:
     """Drop the entries past `length` (the speculative ones of the last round)."""
     cache.crop(min(0, length - cache.get_seq_length()))

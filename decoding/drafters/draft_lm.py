@@ -1,5 +1,8 @@
 """The draft-LM drafter (models/draft_lm.py, or any HF causal LM on the target's tokenizer):
-a standalone model that reads no target features, with its own KV cache."""
+a standalone model that reads no target features, with its own KV cache. Compiled decoding
+(a `CompiledTarget`, decoding/compiled.py): the draft runs as a CompiledTarget of its own,
+over a static cache, compiled at widths 1 and 2 (a round feeds at most one pending token
+and the newest one, then one draft at a time)."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from decoding.compiled import DRAFT_EXTRA_SLOTS, CompiledTarget
 from decoding.drafter import Sampling
 from decoding.verify import sampling_probs
+from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput
 
 
@@ -21,7 +26,7 @@ class DraftLMDrafter:
 
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: PreTrainedModel, target: Target | None = None):
+    def __init__(self, model: PreTrainedModel, target: Target | CompiledTarget | None = None):
         self.model = model.eval().requires_grad_(False)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         if target is not None and self.vocab_size != target.vocab_size:
@@ -29,7 +34,15 @@ class DraftLMDrafter:
                 f"draft LM vocabulary size {self.vocab_size} != target's {target.vocab_size}: "
                 "a standalone draft must use the target's tokenizer (same ids, same size)"
             )
-        self.cache: DynamicCache | None = None
+        self.cache: DynamicCache | StaticKVCache | None = None
+        self.lm = None  # compiled decoding: the draft as a CompiledTarget (never frozen: the
+        # weights of a run's draft copy change at every checkpoint, the graphs stay)
+        if isinstance(target, CompiledTarget):
+            size = target.max_len + DRAFT_EXTRA_SLOTS
+            draft = Target(model, target.tokenizer, name="draft")
+            B = target.cache.batch_size
+            self.lm = CompiledTarget(draft, size, (1, 2), (), target.mode, False, B)
+            self.lm.warmup()
 
     @property
     def device(self) -> torch.device:
@@ -41,6 +54,20 @@ class DraftLMDrafter:
         positions = self.next_pos[:, None] + torch.arange(m, device=ids.device)  # [B, m]
         if self.attn is not None:
             self.attn = torch.cat([self.attn, self.attn.new_ones(B, m)], 1)
+        logits = self._call(ids, positions)
+        self.next_pos = self.next_pos + m
+        return logits
+
+    def _call(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """The draft over ids [B, m] at `positions` with its cache -> the last logits [B, V]."""
+        if self.lm is not None:
+            new = self.cache is None  # the prefill: a new sequence in the static cache, whose
+            out = self.lm(  # head runs at the last position only, as logits_to_keep=1 does
+                ids, cache=self.cache, attention_mask=self.attn, position_ids=positions,
+                hidden_layers=(-1,), logits=not new,
+            )  # fmt: skip
+            self.cache = out.cache
+            return self.lm.head_logits(out.hidden[-1][:, -1]) if new else out.logits[:, -1]
         out = self.model(
             input_ids=ids,
             cache=self.cache,
@@ -49,28 +76,20 @@ class DraftLMDrafter:
             use_cache=True,
             logits_to_keep=1,
         )
-        self.next_pos = self.next_pos + m
         return out.logits[:, -1]
 
     def prefill(
         self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
     ) -> None:
         B, T = input_ids.shape
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = DynamicCache(config=self.model.config) if self.lm is None else None
         self.attn = None if attention_mask is None else attention_mask[:, :0].long()
         self.next_pos = torch.zeros(B, dtype=torch.long, device=input_ids.device)
         if attention_mask is not None:
             # Left padding: position ids count real tokens only; pads sit at position 0.
             positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # [B, T]
             self.attn = attention_mask.long()
-            self.model(
-                input_ids=input_ids,
-                cache=self.cache,
-                attention_mask=self.attn,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            self._call(input_ids, positions)
             self.next_pos = positions[:, -1] + 1
         else:
             self._forward(input_ids)

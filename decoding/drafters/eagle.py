@@ -24,25 +24,33 @@ scattered into the full vocabulary (zeros outside the draft vocabulary).
 Left-padded batches (decoding/spec.py passes `attention_mask` to prefill): row b's first
 pad[b] cache entries are padding (decoding/drafters/cache.py: position ids over real
 tokens, pad keys masked out).
+Compiled decoding (a `CompiledTarget`, decoding/compiled.py): the cache is a StaticKVCache
+and the layer pass runs compiled at fixed widths: 1 (a draft step), the target's widest
+forward (the pending positions, padded) and the tree's top_k (a tree level).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
+from decoding.compiled import DRAFT_EXTRA_SLOTS, CachedStep, CompiledTarget, pad_seq, unwrap
 from decoding.drafter import Sampling
 from decoding.drafters.cache import crop_to, left_padding, positions_and_mask
 from decoding.tree import DraftTree, TreeSpec
 from decoding.verify import sampling_probs
 from models.eagle import EagleDraft
+from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput
 
 
 class EagleDrafter:
-    def __init__(self, model: EagleDraft, target: Target):
+    def __init__(self, model: EagleDraft, target: Target | CompiledTarget):
         model.check_mapping()  # refuse a reduced vocabulary without d2t/t2d
+        compiled = target if isinstance(target, CompiledTarget) else None
+        target = unwrap(target)
         self.model = model.eval()
         self.hidden_layers = model.hidden_layers
         self.embed = target.embed_tokens
@@ -58,21 +66,50 @@ class EagleDrafter:
         self.pending_tokens: Tensor | None = None
         self.kept_len = 0  # cache length holding only real-feature positions
         self.pad: Tensor | None = None  # [B] left-padding per row, None = no padding
+        self.step = None  # compiled decoding: the layer pass over a static cache
+        if compiled is not None:
+            B, size = compiled.cache.batch_size, compiled.max_len + DRAFT_EXTRA_SLOTS
+            self.cache = StaticKVCache(1, B, size, compiled.device)
+            widths = (1, max(compiled.widths))
+            self.step = CachedStep(self._layer, self.cache, widths, compiled.mode)
+            self.step.warmup(self._dummy_step_args)
+
+    def _dummy_step_args(self, width: int) -> tuple:
+        B, H = self.cache.batch_size, self.model.config.hidden_size
+        device = self.head.device
+        feature = torch.zeros(B, width, H, dtype=self.model.fc.weight.dtype, device=device)
+        tokens = torch.zeros(B, width, dtype=torch.long, device=device)
+        return feature, tokens, *positions_and_mask(0, width, None, device, self.cache.max_len)
 
     @torch.no_grad()
     def prefill(
         self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
     ) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        if self.step is None:
+            self.cache = DynamicCache(config=self.model.config)
+        else:
+            self.cache = self.step.cache
+            self.cache.reset()
         self.pending_feature = self.model.fuse_features(target_out.hidden)  # [B, T, H]
         self.pending_tokens = input_ids[:, 1:]  # [B, T-1]
         self.kept_len = 0
         self.pad = left_padding(attention_mask)  # [B], None = no padding
 
+    def _layer(self, feature: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None):
+        return self.model.step(feature, self.embed(tokens), positions, self.cache, mask)
+
     def _run(self, feature: Tensor, tokens: Tensor, start: int) -> Tensor:
         """The layer over P new positions start..start+P-1 of the cache -> hidden [B, P, H]."""
-        positions, mask = positions_and_mask(start, tokens.shape[1], self.pad, tokens.device)
-        return self.model.step(feature, self.embed(tokens), positions, self.cache, mask)
+        P = tokens.shape[1]
+        if self.step is None:
+            positions, mask = positions_and_mask(start, P, self.pad, tokens.device)
+            return self._layer(feature, tokens, positions, mask)
+        W = self.step.width(P)  # dummy positions after the real ones, cropped below
+        size = self.cache.max_len
+        positions, mask = positions_and_mask(start, W, self.pad, tokens.device, kv_len=size)
+        h = self.step(W, pad_seq(feature, W), pad_seq(tokens, W), positions, mask)
+        self.cache.truncate(start + P)
+        return h[:, :P]
 
     def _run_pending(self, last_tokens: Tensor, call: str) -> Tensor:
         """The layer over the positions committed since the last round, ending with
@@ -170,9 +207,12 @@ class EagleDrafter:
             tree_mask = torch.nn.functional.one_hot(slots, k).flatten(-2).bool()  # [B, k, d*k]
             mask = torch.cat([prefix[:, None].expand(B, k, -1), tree_mask], -1)[:, None]
             target_ids = beam_ids if self.vocab_ids is None else self.vocab_ids[beam_ids]
-            h = self.model.step(
-                beam_hidden, self.embed(target_ids), root_pos[:, None] + d, self.cache, mask
-            )  # [B, k, H]
+            positions = root_pos[:, None] + d
+            if self.step is None:
+                h = self._layer(beam_hidden, target_ids, positions, mask)  # [B, k, H]
+            else:  # the static cache's attention reads every slot: hide the ones past the tree
+                mask = F.pad(mask, (0, self.cache.max_len - mask.shape[-1]))
+                h = self.step(k, beam_hidden, target_ids, positions, mask)
             child_logp = self.model.logits(h, self.head).float().log_softmax(-1)  # [B, k, V_d]
             top, child = child_logp.topk(k, dim=-1)  # [B, k, k]
             cand_ids.append(child.flatten(1))

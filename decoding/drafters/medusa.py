@@ -1,6 +1,7 @@
 """The Medusa drafter (models/medusa.py) for the shared decoder: chains, and static trees
 (docs/tree.md). The heads read only the newest target feature, so the drafter keeps no
-cache of its own."""
+cache of its own. Compiled decoding (a `CompiledTarget`, decoding/compiled.py): one graph
+computes every head; a round keeps the first k (or the tree's depth)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from decoding.compiled import Compiled, CompiledTarget, unwrap
 from decoding.drafter import Sampling
 from decoding.tree import DraftTree, TreeSpec, static_parents, static_tree
 from decoding.verify import sampling_probs
@@ -28,10 +30,25 @@ class MedusaDrafter:
 
     hidden_layers = (-1,)
 
-    def __init__(self, heads: MedusaHeads, target: Target):
-        self.heads, self.target = heads, target
+    def __init__(self, heads: MedusaHeads, target: Target | CompiledTarget):
+        self.heads, self.target = heads, unwrap(target)
         self.vocab_size = heads.vocab_size  # full target vocabulary (the decoder checks it)
         self.feature: Tensor | None = None  # [B, H]: last-layer feature before last_tokens
+        self.all_heads = None  # compiled decoding: feature [B, H] -> every head's logits
+        if isinstance(target, CompiledTarget) and target.mode is not None:
+            self.all_heads = Compiled(self._all_heads, target.mode)
+            B, H = target.cache.batch_size, target.hidden_size
+            with torch.inference_mode():  # compile now, not in a timed round
+                self.all_heads(torch.zeros(B, H, dtype=target.dtype, device=target.device))
+
+    def _all_heads(self, feature: Tensor) -> Tensor:
+        return torch.stack(self.heads.head_logits(feature, self.target), dim=1)  # [B, K, V]
+
+    def _head_logits(self, k: int) -> Tensor:
+        """The first k heads' logits on the newest feature, [B, k, V]."""
+        if self.all_heads is None:
+            return torch.stack(self.heads.head_logits(self.feature, self.target, heads=k), dim=1)
+        return self.all_heads(self.feature)[:, :k]
 
     def prefill(
         self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
@@ -54,8 +71,7 @@ class MedusaDrafter:
         # K heads give at most K drafts; the decoder accepts a shorter proposal (adaptive k
         # may ask for more than K). Train more heads (draft.model.num_heads) for longer chains.
         k = min(k, self.heads.num_heads)
-        heads = self.heads.head_logits(self.feature, self.target, heads=k)  # k x [B, V]
-        logits = torch.stack(heads, dim=1)  # [B, k, V]
+        logits = self._head_logits(k)  # [B, k, V]
         if sampling.greedy:
             return logits.argmax(-1), None
         q = sampling_probs(logits, sampling)  # [B, k, V], the verifier's own transform
@@ -88,8 +104,7 @@ class MedusaDrafter:
         paths = static_tree(tuple(p for p in tree.paths if len(p) <= depth))
         parents = static_parents(paths)
         ranks = max(p[-1] for p in paths) + 1  # candidates needed per head
-        heads = self.heads.head_logits(self.feature, self.target, heads=depth)
-        logits = torch.stack(heads, dim=1).float()  # [B, D, V]
+        logits = self._head_logits(depth).float()  # [B, D, V]
         batch, _, vocab = logits.shape
         if ranks > vocab:
             raise ValueError(

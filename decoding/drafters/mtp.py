@@ -4,6 +4,9 @@ With the newest target feature at position P and the newest token x_{P+1}, draft
 from module j at position P; for j > D (when `recursive_last`) module D runs again at position
 P + j - D, fed its own previous output h^D in place of h^{D-1}. Each module keeps its own KV
 cache over t, rolled back at commit to the entries whose inputs were all committed tokens.
+Compiled decoding (a `CompiledTarget`, decoding/compiled.py): the caches are StaticKVCaches
+and each module's pass runs compiled at width 1 and at the target's widest forward (the
+positions a module catches up on, padded), eagerly when wider (the prompt).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from decoding.compiled import DRAFT_EXTRA_SLOTS, CachedStep, CompiledTarget, pad_seq, unwrap
 from decoding.drafter import Sampling
 from decoding.drafters.cache import crop_to, left_padding, positions_and_mask
 from decoding.verify import sampling_probs
 from models.mtp import MTP
+from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput
 
 
@@ -31,16 +36,35 @@ class MTPDrafter:
 
     hidden_layers: tuple[int, ...] = (-1,)
 
-    def __init__(self, model: MTP, target: Target):
+    def __init__(self, model: MTP, target: Target | CompiledTarget):
         if model.vocab_size != target.vocab_size:
             raise ValueError(
                 f"MTP draft built for a vocabulary of {model.vocab_size}, target has "
                 f"{target.vocab_size}: build the draft from this target (models.mtp.from_target)."
             )
         self.model = model
-        self.target = target
+        self.target = unwrap(target)
         self.num_depths = model.num_depths
         self.vocab_size = target.vocab_size
+        self.steps = None  # compiled decoding: one step per module, each over its static cache
+        if isinstance(target, CompiledTarget):
+            size, B = target.max_len + DRAFT_EXTRA_SLOTS, target.cache.batch_size
+            caches = [StaticKVCache(1, B, size, target.device) for _ in range(self.num_depths)]
+            widths = (1, max(target.widths))
+            self.steps = [
+                CachedStep(self._module_step(d, cache), cache, widths, target.mode)
+                for d, cache in enumerate(caches, start=1)
+            ]
+            for step in self.steps:
+                step.warmup(self._dummy_step_args)
+
+    def _dummy_step_args(self, width: int) -> tuple:
+        cache = self.steps[0].cache
+        B, H = cache.batch_size, self.model.block_config.hidden_size
+        weight = self.model.depths[0].proj.weight
+        prev = torch.zeros(B, width, H, dtype=weight.dtype, device=weight.device)
+        tokens = torch.zeros(B, width, dtype=torch.long, device=weight.device)
+        return prev, tokens, *positions_and_mask(0, width, None, weight.device, cache.max_len)
 
     @torch.no_grad()
     def prefill(
@@ -54,7 +78,12 @@ class MTPDrafter:
         hidden = target_out.hidden[-1].to(self.model.depths[0].proj.weight.dtype)  # [B, N, H]
         self.tokens = input_ids
         self.features = [hidden] + [hidden.new_zeros(B, 0, hidden.shape[-1])] * self.num_depths
-        self.caches = [DynamicCache() for _ in range(self.num_depths)]
+        if self.steps is None:
+            self.caches = [DynamicCache() for _ in range(self.num_depths)]
+        else:
+            self.caches = [step.cache for step in self.steps]
+            for cache in self.caches:
+                cache.reset()
         self._pending: tuple[Tensor, Tensor] | None = None  # (last_tokens [B], drafts [B, k])
 
     def _run(self, depth: int, prev_hidden: Tensor, token_ids: Tensor, start: int) -> Tensor:
@@ -66,12 +95,33 @@ class MTPDrafter:
                 f"MTP depth {depth}: cache holds {cache.get_seq_length()} positions, expected {start}."
             )
         L = prev_hidden.shape[1]
-        positions, mask = positions_and_mask(start, L, self.pad, prev_hidden.device)
-        cos_sin = self.model.rotary(prev_hidden, positions)
-        embeds = self.target.embed_tokens(token_ids).to(prev_hidden.dtype)  # [B, L, H]
-        hidden = module(prev_hidden, embeds, cos_sin, attention_mask=mask, cache=cache)
+        if self.steps is None:
+            positions, mask = positions_and_mask(start, L, self.pad, prev_hidden.device)
+            cos_sin = self.model.rotary(prev_hidden, positions)
+            embeds = self.target.embed_tokens(token_ids).to(prev_hidden.dtype)  # [B, L, H]
+            hidden = module(prev_hidden, embeds, cos_sin, attention_mask=mask, cache=cache)
+        else:  # dummy positions after the real ones, cropped at once
+            step = self.steps[depth - 1]
+            W = step.width(L)
+            positions, mask = positions_and_mask(
+                start, W, self.pad, prev_hidden.device, kv_len=cache.max_len
+            )
+            prev, ids = pad_seq(prev_hidden, W), pad_seq(token_ids, W)
+            hidden = step(W, prev, ids, positions, mask)[:, :L]
+            cache.truncate(start + L)
         self.features[depth] = torch.cat([self.features[depth], hidden], dim=1)
         return hidden
+
+    def _module_step(self, depth: int, cache: StaticKVCache):
+        """Module `depth`'s pass over its static cache, as `CachedStep` compiles it."""
+        module = self.model.depths[depth - 1]
+
+        def step(prev_hidden: Tensor, token_ids: Tensor, positions: Tensor, mask: Tensor):
+            cos_sin = self.model.rotary(prev_hidden, positions)
+            embeds = self.target.embed_tokens(token_ids).to(prev_hidden.dtype)  # [B, W, H]
+            return module(prev_hidden, embeds, cos_sin, attention_mask=mask, cache=cache)
+
+        return step
 
     def _sample(
         self, depth: int, hidden: Tensor, sampling: Sampling, generator

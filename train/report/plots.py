@@ -1,7 +1,8 @@
 """The comparison plots of grouped runs (train/report/runs.py), one figure per function:
-tau at each checkpoint, per-position acceptance of the final evaluation, and the training
-proxy's predicted tau against the measured one. scripts/compare.py saves them as PNGs
-(`PLOTS`: file name -> function); the notebook shows them inline."""
+tau at each checkpoint, per-position acceptance of the final evaluation, the training
+proxy's predicted tau against the measured one, and acceptance against the target's entropy.
+scripts/compare.py saves them as PNGs (`PLOTS`: file name -> function); the notebook shows
+them inline."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import statistics
 
 import matplotlib.pyplot as plt
 
-from train.report.runs import Group, eval_tags, mean_ci
+from train.report.runs import (
+    Group,
+    bucket_labels,
+    common_edges,
+    entropy_summary,
+    eval_tags,
+    mean_ci,
+)
 
 
 def _labels(groups: list[Group]) -> tuple[list[str], str | None]:
@@ -124,8 +132,56 @@ def plot_proxy_vs_measured(groups: list[Group]):
     return _finish(fig, ax, title, xlabel, "measured τ (decoder)", heading)
 
 
+def plot_acceptance_vs_entropy(groups: list[Group]):
+    """Acceptance against the target's entropy H (decoding/entropy.py) in the final
+    evaluation: one panel per temperature, one line per group, each bucket's mean acceptance
+    over the group's runs with a 95% t-interval, annotated with the judged positions pooled
+    over runs; the legend gives each group's fitted slope (mean over runs)."""
+    stats = [entropy_summary(g) for g in groups]
+    edges = common_edges(stats)
+    tags = list(dict.fromkeys(t for s in stats for t in s))
+    tags.sort(key=lambda t: t != "greedy")
+    fig, axes = plt.subplots(1, max(len(tags), 1), figsize=(1.0 + 4.6 * max(len(tags), 1), 4.4))
+    axes = list(axes) if len(tags) > 1 else [axes]
+    if edges is None:
+        axes[0].text(0.5, 0.5, "no run has entropy_alpha records", ha="center", va="center")
+        axes[0].set_axis_off()
+        return fig
+    labels, title = _labels(groups)
+    buckets = bucket_labels(edges)
+    for ax, tag in zip(axes, tags):
+        for i, (by_tag, label) in enumerate(zip(stats, labels)):
+            e = by_tag.get(tag)
+            if e is None:
+                continue
+            shift = (i - (len(groups) - 1) / 2) * 0.06  # keep the error bars of groups apart
+            shown = [(j, a) for j, a in enumerate(e["alpha"]) if a["mean"] is not None]
+            x = [j + shift for j, _ in shown]
+            y, err = [a["mean"] for _, a in shown], [a["ci95"] or 0.0 for _, a in shown]
+            slope = e["slope"]["mean"]
+            name = label if slope is None else f"{label}: slope {slope:+.3f}/nat"
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=name)
+            for j, _ in shown:
+                ax.annotate(
+                    f"n={e['count'][j]}", (j + shift + 0.08, 0.03 + 0.045 * i),
+                    color=f"C{i % 10}", fontsize=7,
+                )  # fmt: skip
+        ax.set_xticks(range(len(buckets)), buckets, rotation=30, fontsize=8)
+        ax.set_xlim(-0.4, len(buckets) - 0.3)  # room for the last bucket's n= labels
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        what = "T=1 softmax, acceptance 0/1" if tag == "greedy" else "verifier's p, Σ min(p, q)"
+        ax.set(xlabel="target entropy H(p) bucket (nats)", title=f"{tag} (H of the {what})")
+        ax.legend(title=title, fontsize=8)
+    axes[0].set_ylabel("acceptance (n: judged drafts)")
+    fig.suptitle("Acceptance vs target entropy (final eval, mean ± 95% CI over runs)")
+    fig.tight_layout()
+    return fig
+
+
 PLOTS = {
     "tau_vs_step.png": plot_tau_vs_step,
     "acceptance_per_position.png": plot_acceptance_per_position,
     "proxy_vs_measured.png": plot_proxy_vs_measured,
+    "acceptance_vs_entropy.png": plot_acceptance_vs_entropy,
 }

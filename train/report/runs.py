@@ -18,6 +18,11 @@ group, tau and speedup are the mean over runs (seeds) with a 95% Student t-inter
 The headline tag of an evaluation is "greedy" when temperature 0 was evaluated, otherwise
 the first temperature ("T0.7"), as in train/evaluate.py: `tau` and `speedup` of an eval
 record are that tag's values.
+
+Acceptance against the target's entropy (`<tag>/entropy_alpha`, decoding/entropy.py) is
+aggregated per tag (`entropy_summary`): the fitted slope and intercept and each entropy
+bucket's acceptance as mean ± 95% t-interval over runs, positions pooled over runs. Runs
+evaluated before it existed have no such key and are left out of it.
 """
 
 from __future__ import annotations
@@ -216,6 +221,61 @@ def eval_tags(record: dict) -> list[str]:
     return sorted(tags, key=lambda t: t != "greedy")
 
 
+def bucket_labels(edges: list[float | None]) -> list[str]:
+    """Entropy bucket edges (None = infinity, as eval records write it) -> "[0, 0.5)", ...,
+    "[4, ∞)"."""
+
+    def fmt(e: float | None) -> str:
+        return "∞" if e is None else f"{e:g}"
+
+    return [f"[{fmt(lo)}, {fmt(hi)})" for lo, hi in zip(edges, edges[1:])]
+
+
+def entropy_summary(group: Group) -> dict:
+    """tag -> acceptance against the target's entropy over the group's final evaluations:
+    {edges, runs, count (positions per bucket, pooled over runs), alpha (per bucket), slope,
+    intercept (mean_ci over runs each)}. Tags without `<tag>/entropy_alpha` in any run are
+    absent."""
+    out = {}
+    tags = dict.fromkeys(t for r in group.runs for t in eval_tags(r.final_eval))
+    for tag in tags:
+        recs = [(r, r.final_eval.get(f"{tag}/entropy_alpha")) for r in group.runs]
+        recs = [(r, x) for r, x in recs if x]
+        if not recs:
+            continue
+        edges = recs[0][1]["edges"]
+        other = [str(r.path) for r, x in recs if x["edges"] != edges]
+        if other:
+            raise ValueError(
+                f"{tag}/entropy_alpha: {recs[0][0].path} buckets the target entropy at {edges} "
+                f"but {', '.join(other)} at other edges; compare runs evaluated with the same "
+                "decoding/entropy.py ENTROPY_EDGES (re-evaluate with scripts/evaluate.py)"
+            )
+        n = len(edges) - 1
+        out[tag] = {
+            "edges": edges,
+            "runs": len(recs),
+            "count": [sum(x["count"][i] for _, x in recs) for i in range(n)],
+            "alpha": [mean_ci([x["alpha"][i] for _, x in recs]) for i in range(n)],
+            "slope": mean_ci([x["slope"] for _, x in recs]),
+            "intercept": mean_ci([x["intercept"] for _, x in recs]),
+        }
+    return out
+
+
+def common_edges(summaries: list[dict]) -> list | None:
+    """The entropy bucket edges shared by the `entropy_summary` outputs of several groups
+    (None when none has any); different edges cannot share a table column or a plot axis."""
+    edges = [e["edges"] for s in summaries for e in s.values()]
+    if any(e != edges[0] for e in edges):
+        raise ValueError(
+            f"groups bucket the target entropy at different edges ({edges[0]} and "
+            f"{next(e for e in edges if e != edges[0])}); compare runs evaluated with the same "
+            "decoding/entropy.py ENTROPY_EDGES (re-evaluate with scripts/evaluate.py)"
+        )
+    return edges[0] if edges else None
+
+
 def _mean_list(lists: list[list]) -> list[float | None]:
     """Element-wise mean of per-position lists of possibly different lengths (None skipped)."""
     out = []
@@ -227,7 +287,8 @@ def _mean_list(lists: list[list]) -> list[float | None]:
 
 def summarize_group(group: Group) -> dict:
     """JSON-able aggregate of a group: tau per tag and speedup (mean, CI), per-position
-    acceptance and proxy tau at the headline tag, training time."""
+    acceptance and proxy tau at the headline tag, training time, acceptance against the
+    target's entropy per tag (`entropy_summary`)."""
     evals = [r.final_eval for r in group.runs]
     tags = eval_tags(evals[0]) if evals and evals[0] else []
     head = tags[0] if tags else None
@@ -245,4 +306,5 @@ def summarize_group(group: Group) -> dict:
         "train_time_s": mean_ci([r.summary.get("train_s") for r in group.runs]),
         "wall_time_s": mean_ci([r.summary.get("wall_s") for r in group.runs]),
         "steps": sorted({r.summary.get("steps") for r in group.runs}, key=str),
+        "entropy_alpha": entropy_summary(group),
     }

@@ -1,9 +1,18 @@
-"""The markdown comparison table of grouped runs (train/report/runs.py): tau per temperature
-and speedup as mean ± 95% t-interval over seeds, per-position acceptance, proxy tau, time."""
+"""The markdown comparison tables of grouped runs (train/report/runs.py): tau per temperature
+and speedup as mean ± 95% t-interval over seeds, per-position acceptance, proxy tau, time
+(`markdown_table`); acceptance against the target's entropy per temperature
+(`entropy_table`)."""
 
 from __future__ import annotations
 
-from train.report.runs import Group, differing_keys, summarize_group
+from train.report.runs import (
+    Group,
+    bucket_labels,
+    common_edges,
+    differing_keys,
+    entropy_summary,
+    summarize_group,
+)
 
 
 def _fmt(stat: dict, digits: int = 3) -> str:
@@ -66,3 +75,46 @@ def markdown_table(groups: list[Group], keys: list[str] | None = None) -> str:
     if implied:  # fields that differ too but move in lockstep with the group keys
         notes += f" Also differing, in step with the columns above: {', '.join(implied)}."
     return "\n".join(lines) + "\n" + notes + "\n"
+
+
+def entropy_table(groups: list[Group], keys: list[str] | None = None) -> str:
+    """One row per group and temperature: the slope and intercept of acceptance on the
+    target's entropy (mean ± 95% t-interval over seeds), the judged positions, and the mean
+    acceptance of every entropy bucket with its positions pooled over seeds."""
+    keys = list(groups[0].values) if keys is None and groups else (keys or [])
+    stats = [entropy_summary(g) for g in groups]
+    edges = common_edges(stats)
+    if edges is None:
+        return (
+            "No final evaluation has `<tag>/entropy_alpha` (runs evaluated before acceptance "
+            "against target entropy was measured; re-evaluate with scripts/evaluate.py).\n"
+        )
+    labels = bucket_labels(edges)
+    header = [*(keys or ["runs"]), "sampling", "seeds", "slope (per nat)", "intercept"]
+    header += ["positions", *(f"α, H ∈ {b}" for b in labels)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for g, by_tag in zip(groups, stats):
+        for tag, e in by_tag.items():
+            cells = [str(v) for v in g.values.values()] or ["all"]
+            seeds = [r.seed for r in g.runs if r.final_eval.get(f"{tag}/entropy_alpha")]
+            cells += [tag, ",".join(map(str, seeds)), _fmt(e["slope"]), _fmt(e["intercept"])]
+            cells.append(str(sum(e["count"])))
+            cells += [
+                "–" if a["mean"] is None else f"{a['mean']:.3f} (n={n})"
+                for a, n in zip(e["alpha"], e["count"])
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    notes = (
+        "\nAt every draft the verifier judged in each run's final evaluation (the accepted ones "
+        "and the first rejection of each round), H = entropy in nats of the target's "
+        "distribution there (greedy: the T=1 softmax; T > 0: the verifier's p after "
+        "temperature / top-k / top-p) and the acceptance there (greedy: 1 if the draft is the "
+        "target's argmax; T > 0: the expected acceptance Σ min(p, q); tree decoding: one "
+        "position per depth of the accepted path, acceptance = P(one of its children is "
+        "accepted)); docs/design.md §3. slope, intercept = least-squares line "
+        "acceptance ≈ intercept + slope · H per run, mean ± half-width of the 95% Student "
+        "t-interval over the group's seeds (no ± for one run). α per bucket = mean over seeds "
+        "of each run's mean acceptance in that bucket; n = positions pooled over seeds. "
+        "positions = all judged positions pooled over seeds.\n"
+    )
+    return "\n".join(lines) + "\n" + notes

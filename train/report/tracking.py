@@ -54,7 +54,7 @@ def wandb_run_settings(cfg: DictConfig | dict) -> dict:
     keys = ["final/tau", "final/speedup", "final/train_wall_s", "final/train_s", "final/steps"]
     keys += ["final/loss", "final/sim_tau"]
     for tag in tags:  # as train/evaluate.py names them
-        keys += [f"final/{tag}/{m}" for m in ("tau", "speedup", "proxy_tau")]
+        keys += [f"final/{tag}/{m}" for m in ("tau", "speedup", "proxy_tau", "entropy_slope")]
         keys += [f"final/{tag}/alpha_{i}" for i in range(1, int(flat.get("decode.k") or 4) + 1)]
     return {
         "name": f"{group}/seed{seed}",
@@ -67,7 +67,8 @@ def wandb_run_settings(cfg: DictConfig | dict) -> dict:
 def wandb_summary(summary: dict) -> dict[str, float | None]:
     """Flat final numbers for the W&B run summary (W&B keeps only the last value of each
     logged key and drops lists such as alpha; these land in its table and parallel
-    coordinates): final tau/speedup, per temperature tau, speedup, proxy tau and α_i."""
+    coordinates): final tau/speedup, per temperature tau, speedup, proxy tau, α_i and the
+    slope of acceptance on the target's entropy."""
     ev = summary.get("final_eval") or {}
     tr = summary.get("final_train") or {}
     out: dict[str, float | None] = {
@@ -82,6 +83,7 @@ def wandb_summary(summary: dict) -> dict[str, float | None]:
     for tag in eval_tags(ev):
         for m in ("tau", "speedup", "proxy_tau"):
             out[f"final/{tag}/{m}"] = ev.get(f"{tag}/{m}")
+        out[f"final/{tag}/entropy_slope"] = (ev.get(f"{tag}/entropy_alpha") or {}).get("slope")
         for i, a in enumerate(ev.get(f"{tag}/alpha") or [], 1):
             out[f"final/{tag}/alpha_{i}"] = a
     return out

@@ -1,0 +1,370 @@
+"""The compiled decoding path (`decode.compile=true`; docs/fastpath.md).
+
+Eager decoding of a small target is bound by per-operator overhead, not by reading the
+weights (SmolLM2-135M on 2 CPU cores: 37 ms per 1-token forward, ~7 ms of weight traffic).
+This path removes it without touching the loops of decoding/spec.py and decoding/tree.py:
+
+  - `CompiledTarget` wraps a `Target` and is called exactly like one. Its KV cache is a
+    preallocated `StaticKVCache` (models/static_cache.py): the loop's `cache.crop` and the
+    tree's compaction are in place. The prefill (any prompt length) runs eagerly on that
+    cache; every later forward is padded to one of a few fixed `widths` (1 for AR, k+1 for a
+    chain, tree size + 1 for a tree) and runs a graph compiled once per width, so rounds with
+    any accept count, fewer drafts or a smaller tree reuse the same graphs. The padding
+    tokens sit after the real ones, are masked out of every real query and are cropped off
+    the cache at once.
+  - Drafters built on a `CompiledTarget` (decoding/drafters/) compile their own steps the
+    same way: `CachedStep` runs a step over a drafter's static cache, compiled at the fixed
+    widths the drafter pads to, eagerly beyond them (their prefill).
+  - `Compiled` is torch.compile with fixed shapes and full graphs, through one backend that
+    counts the graphs it compiles and the seconds the compiling calls took (`STATS`), so
+    compile time is reported apart from decoding time and a recompile shows up as a count.
+    CUDA: CUDA graphs (mode reduce-overhead). CPU: inductor with the target's weights frozen
+    into the graph (constant-folded, packed for the CPU matmul library).
+
+Modes (`decode.compile_mode`): `auto` (reduce-overhead on CUDA, max-autotune-no-cudagraphs
+on CPU), torch.compile's `default`, `reduce-overhead`, `max-autotune`,
+`max-autotune-no-cudagraphs`, and `aot_eager` (no code generation: traces and checks guards
+in seconds, for tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from decoding.rounds import sync
+from models.static_cache import StaticKVCache
+from models.target import Target, TargetOutput
+
+MODES = (
+    "auto",
+    "default",
+    "reduce-overhead",
+    "max-autotune",
+    "max-autotune-no-cudagraphs",
+    "aot_eager",
+)
+# Slots a drafter's cache holds beyond the target's: a round's speculative entries (a chain's
+# k - 1, an EAGLE-2 tree's (depth - 1) * top_k) before commit crops them.
+DRAFT_EXTRA_SLOTS = 256
+
+
+@dataclass
+class CompileStats:
+    graphs: int = 0  # graphs compiled so far (a recompile adds one)
+    seconds: float = 0.0  # wall time of the calls that compiled: tracing + compiling + that run
+
+
+STATS = CompileStats()
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    if mode not in MODES:
+        raise ValueError(f"compile mode {mode!r}; use one of {MODES}")
+    if mode == "auto":
+        return "reduce-overhead" if device.type == "cuda" else "max-autotune-no-cudagraphs"
+    return mode
+
+
+@cache
+def _backend(mode: str, freeze: bool) -> Callable:
+    """One backend object per setting: dynamo reuses a compiled graph only under the backend
+    that compiled it, so every `Compiled` of the same setting must share it."""
+    if mode == "aot_eager":
+        inner = torch._dynamo.lookup_backend("aot_eager")
+    else:
+        # Imported here, as only code-generating modes need it: the import costs ~2 s, paid by
+        # every eager decode and the aot_eager tests otherwise.
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        options = {**list_mode_options(mode), "freezing": freeze}
+
+        def inner(gm, example_inputs):
+            return compile_fx(gm, example_inputs, config_patches=options)
+
+    def backend(gm, example_inputs):
+        STATS.graphs += 1
+        return inner(gm, example_inputs)
+
+    return backend
+
+
+class Compiled:
+    """`fn` under torch.compile: fixed shapes (one graph per input shape), full graphs (a
+    graph break raises). `freeze`: the weights `fn` reads become constants of the graph
+    (inductor freezing; only for weights that never change, the target's)."""
+
+    def __init__(self, fn: Callable, mode: str, freeze: bool = False):
+        if mode not in MODES or mode == "auto":
+            raise ValueError(f"compile mode {mode!r}; resolve it first (resolve_mode)")
+        # Drafters compile one step per module and width (MTP: one module per depth); the
+        # default limit of 8 graphs per code object would silently fall back to eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.freeze = freeze and mode != "aot_eager"
+        self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
+        self.fn = torch.compile(
+            fn, backend=_backend(mode, self.freeze), fullgraph=True, dynamic=False
+        )
+
+    def __call__(self, *args):
+        args = tuple(dense(a) if isinstance(a, Tensor) else a for a in args)
+        graphs, t0 = STATS.graphs, time.perf_counter()
+        if self.cudagraphs:  # a new replay: outputs of the previous one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.freeze:  # dynamo reads the flag when it traces: weights become constants
+            with torch._inductor.config.patch(freezing=True):
+                out = self.fn(*args)
+        else:
+            out = self.fn(*args)
+        if self.cudagraphs:  # CUDA-graph outputs live in memory the next replay reuses
+            out = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, out)
+        if STATS.graphs != graphs:
+            STATS.seconds += time.perf_counter() - t0
+        return out
+
+
+def dense(x: Tensor) -> Tensor:
+    """x with the strides of a fresh contiguous tensor. Dynamo guards input strides, and a
+    slice of a growing sequence ([B, 1] taken from [B, T]: strides (T, 1)) would compile a
+    new graph for every T; `.contiguous()` keeps such a slice as it is (a size-1 dim's
+    stride does not count for contiguity), so copy it."""
+    expected, stride = [], 1
+    for size in reversed(x.shape):
+        expected.append(stride)
+        stride *= size
+    if x.stride() == tuple(reversed(expected)):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def pad_seq(x: Tensor, width: int, dim: int = 1) -> Tensor:
+    """x padded with zeros along `dim` to `width` entries (dummy rows after the real ones)."""
+    extra = width - x.shape[dim]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:dim], extra, *x.shape[dim + 1 :])], dim)
+
+
+class CachedStep:
+    """A drafter's step over its StaticKVCache: `step(width, *args)` reserves `width` slots,
+    then runs `fn(*args)`, compiled when width <= max(widths) (each width compiles once),
+    eagerly when wider (a prefill, of any prompt length). Callers pad their inputs to
+    `width(n)`, the smallest of `widths` that fits n, so a few graphs serve every round."""
+
+    def __init__(self, fn: Callable, cache: StaticKVCache, widths: Iterable[int], mode: str | None):
+        self.fn, self.cache = fn, cache
+        self.widths = tuple(sorted(set(widths)))
+        self.compiled = Compiled(fn, mode) if mode is not None else fn
+
+    def width(self, num_tokens: int) -> int:
+        return next((w for w in self.widths if w >= num_tokens), num_tokens)
+
+    def __call__(self, width: int, *args):
+        self.cache.reserve(width)
+        return (self.compiled if width <= self.widths[-1] else self.fn)(*args)
+
+    @torch.inference_mode()
+    def warmup(self, args_for: Callable[[int], tuple]) -> None:
+        """Compile every width now, on dummy inputs `args_for(width)`, so that no decoding
+        round pays for it (a width may first be needed late: a catch-up after the first
+        accepted draft). The eager first call allocates the cache."""
+        widest = self.widths[-1]
+        self.cache.reset()
+        self.cache.reserve(widest)
+        self.fn(*args_for(widest))
+        for width in self.widths:
+            self.cache.reset()
+            self(width, *args_for(width))
+        self.cache.reset()
+
+
+class CompiledTarget:
+    """A `Target` over a StaticKVCache whose forwards after the prefill run compiled at fixed
+    widths. Called like a Target (`forward(input_ids, cache=, attention_mask=, position_ids=,
+    hidden_layers=, logits=)`); every other attribute is the wrapped target's.
+
+    max_len: positions the cache holds (longest prompt + max_new_tokens + widest forward).
+    widths: token counts of the compiled forwards; a forward of T tokens runs at the
+        smallest width >= T (AR: 1, chain: k + 1, tree: tree size + 1).
+    hidden_layers: every layer any drafter will ask for (-1 is always there): the graphs
+        return all of them, so drafters with different taps share them.
+    mode: a `MODES` entry, or None: the static cache and padding without compiling.
+    freeze: inductor freezing of the target's weights (None: on CPU, where it packs them
+        for the matmul library; the weights must then never change).
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        max_len: int,
+        widths: Iterable[int],
+        hidden_layers: Iterable[int] = (),
+        mode: str | None = "auto",
+        freeze: bool | None = None,
+        batch_size: int = 1,
+    ):
+        self.target = target
+        self.max_len = max_len
+        self.widths = tuple(sorted({int(w) for w in widths}))
+        if not self.widths or self.widths[0] < 1:
+            raise ValueError(f"widths must be token counts >= 1, got {self.widths}")
+        self.hidden_layers = tuple(dict.fromkeys((*hidden_layers, -1)))
+        self.mode = None if mode is None else resolve_mode(mode, target.device)
+        self.cache = StaticKVCache(target.num_layers, batch_size, max_len, target.device)
+        if freeze is None:
+            freeze = target.device.type == "cpu"
+        self.step = self._step if self.mode is None else Compiled(self._step, self.mode, freeze)
+
+    def __getattr__(self, name: str):  # device, dtype, vocab_size, head_logits, model, ...
+        if name == "target":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.target, name)
+
+    def width(self, num_tokens: int) -> int:
+        for w in self.widths:
+            if w >= num_tokens:
+                return w
+        raise ValueError(
+            f"a forward of {num_tokens} tokens is wider than the compiled widths {self.widths}; "
+            "build the CompiledTarget with widths covering k + 1 (2k + 1 with adaptive_k) "
+            "or the tree size + 1"
+        )
+
+    def _step(
+        self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | dict, logits: bool
+    ) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+        """The forward the graphs hold: [B, W] tokens over the static cache -> logits
+        [B, W, V] and the hidden layers of `self.hidden_layers`."""
+        want_hidden = any(layer != -1 for layer in self.hidden_layers)
+        out = self.target.model.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
+        last = out.last_hidden_state  # [B, W, H] after the final norm
+        hidden = tuple(last if h == -1 else out.hidden_states[h] for h in self.hidden_layers)
+        return (self.target.head_logits(last) if logits else None), hidden
+
+    def _mask(
+        self,
+        attention_mask: Tensor | None,  # [B, past + T] 2D (1 = real) or [B, 1, T, past + T]
+        position_ids: Tensor,  # [B, T]
+        past: int,
+        width: int,
+    ) -> Tensor | dict[str, Tensor]:
+        """The additive mask over all max_len slots, [B|1, 1, width, max_len]: the mask an
+        eager forward over a DynamicCache would use (causal minus left padding, or the
+        tree's), per layer type for sliding windows (Target._layer_masks), then the slots
+        past the sequence and the padding rows blocked."""
+        B, T = position_ids.shape
+        device, dtype = position_ids.device, self.target.dtype
+        if attention_mask is not None and attention_mask.dim() == 4:
+            full = attention_mask
+            if full.dtype == torch.bool:
+                full = torch.zeros((), dtype=dtype, device=device).masked_fill(
+                    ~full, torch.finfo(dtype).min
+                )
+        else:
+            keys = torch.arange(past + T, device=device)
+            allowed = keys[None, :] <= (past + torch.arange(T, device=device))[:, None]  # [T, K]
+            allowed = allowed[None, None]  # [1, 1, T, K]
+            if attention_mask is not None:
+                allowed = allowed & attention_mask.bool()[:, None, None, :]  # [B, 1, T, K]
+            full = torch.zeros((), dtype=dtype, device=device).masked_fill(
+                ~allowed, torch.finfo(dtype).min
+            )
+        if full.shape[-1] != past + T:
+            raise ValueError(
+                f"a 4D attention mask over {full.shape[-1]} keys, but the cache holds {past} "
+                f"and the call adds {T}"
+            )
+        masks = self.target._layer_masks(full, position_ids, past)
+
+        def pad(m: Tensor) -> Tensor:
+            blocked = torch.finfo(dtype).min
+            return F.pad(m, (0, self.max_len - m.shape[-1], 0, width - T), value=blocked)
+
+        return {k: pad(m) for k, m in masks.items()} if isinstance(masks, dict) else pad(masks)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,  # [B, T]
+        cache: StaticKVCache | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+        logits: bool = True,
+        use_cache: bool = True,
+    ) -> TargetOutput:
+        """Target.forward over the static cache. cache=None starts a new sequence (the
+        prefill: eager, any length); later calls pass the cache this call returned."""
+        if not use_cache:
+            return self.target(
+                input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                hidden_layers=hidden_layers, logits=logits, use_cache=False,
+            )  # fmt: skip
+        missing = [layer for layer in hidden_layers if layer not in self.hidden_layers]
+        if missing:
+            raise ValueError(
+                f"hidden layers {missing} were not compiled in; build the CompiledTarget with "
+                f"hidden_layers covering every drafter's (has {self.hidden_layers})"
+            )
+        B, T = input_ids.shape
+        if cache is None:  # a new sequence: the prefill, eager at its own length
+            self.cache.reset()
+            past, width, run = 0, T, self._step
+        elif cache is not self.cache:
+            raise ValueError("pass back the cache this CompiledTarget returned (out.cache)")
+        else:
+            past, width, run = self.cache.length, self.width(T), self.step
+            logits = True  # the compiled graphs always include the head
+        if position_ids is None:
+            position_ids = (past + torch.arange(T, device=input_ids.device)).expand(B, T)
+        mask = self._mask(attention_mask, position_ids, past, width)
+        # Padding rows: dummy token 0 at the positions after the last real one.
+        extra = torch.arange(1, width - T + 1, device=input_ids.device)
+        ids = pad_seq(input_ids, width)
+        pos = torch.cat([position_ids, position_ids[:, -1:] + extra], 1)  # [B, width]
+        self.cache.reserve(width)
+        out_logits, hidden = run(ids, pos, mask, logits)
+        self.cache.truncate(past + T)  # the padding rows' entries are dropped at once
+        return TargetOutput(
+            logits=None if out_logits is None else out_logits[:, :T],
+            hidden={h: x[:, :T] for h, x in zip(self.hidden_layers, hidden) if h in hidden_layers},
+            cache=self.cache,
+        )
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Compile every width now (a dummy sequence), so no decode pays for it; returns the
+        seconds it took."""
+        t0 = time.perf_counter()
+        device = self.target.device
+        ids = torch.zeros(self.cache.batch_size, 1, dtype=torch.long, device=device)
+        out = self.forward(ids, hidden_layers=self.hidden_layers)
+        for w in self.widths:
+            tokens = torch.zeros(self.cache.batch_size, w, dtype=torch.long, device=device)
+            self.forward(tokens, cache=out.cache, hidden_layers=self.hidden_layers)
+            out.cache.truncate(1)
+        out.cache.reset()
+        sync(device)
+        return time.perf_counter() - t0
+
+
+def unwrap(target: Target | CompiledTarget) -> Target:
+    """The plain Target under a CompiledTarget (for code traced into a drafter's graph)."""
+    return target.target if isinstance(target, CompiledTarget) else target

@@ -1,0 +1,186 @@
+"""The DFlash drafter (models/dflash.py) for the shared decoder: ONE draft forward per
+round proposes up to block_size - 1 tokens, and EAGLE-2-style dynamic trees from the same
+forward.
+
+State between calls. The draft's cache holds, per draft layer, the keys and values of the
+context c (the fused target features) of every verified position; they depend on the
+target's features only, so each position's are computed once and never rolled back:
+  kv       per layer ([B, kv, C, D] keys, values), C = cache slots (left padding first)
+  pending  [B, P, H] context of the positions verified since the last round, not yet in kv
+After prefill pending covers the prompt; after commit it covers the kept positions
+[last, d_1..d_n], whose target features the verify forward produced.
+
+propose(k): the block [last, mask x (B-1)] at positions a..a+B-1 (a = the position of
+`last`, the newest token, whose feature is not known yet) attends to the whole cache (every
+position < a) and to itself; block position i gives draft i, drawn from its own q_i. The
+draws are independent (DFlash does not feed drafts back), so q_i is exactly the
+distribution draft i was drawn from given the drafts before it, as verification requires.
+Nothing speculative enters the cache, so commit only queues the kept positions' context.
+Domino (decoding/drafters/domino.py) replaces the independent draws by one cheap causal
+correction step per token.
+
+Trees (`decode=tree_dynamic`): the block's per-position distributions give every level of
+an EAGLE-2 dynamic tree (decoding/tree.py): level d expands the top_k most confident nodes
+of level d-1 (cumulative log-probability) with the top_k tokens of block position d, and the
+num_nodes most confident nodes are kept. Candidates are a deterministic function of the
+draft's outputs, so q = None (verified as one-hot drafts; lossless at any temperature).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from decoding.drafter import Sampling
+from decoding.drafters.cache import left_padding
+from decoding.tree import DraftTree, TreeSpec
+from decoding.verify import sampling_probs
+from models.dflash import DFlashDraft
+from models.target import Target, TargetOutput
+
+
+class DFlashDrafter:
+    def __init__(self, model: DFlashDraft, target: Target):
+        self.model = model.eval()
+        self.hidden_layers = model.hidden_layers
+        self.vocab_size = target.vocab_size  # full target vocabulary (the decoder checks it)
+        self.embed = target.embed_tokens
+        self.head = target.lm_head.weight.detach()  # [V, H], frozen
+        self.kv: list[tuple[Tensor, Tensor]] | None = None
+        self.pending: Tensor | None = None
+        self.length = 0  # cache slots
+        self.pad: Tensor | None = None  # [B] left padding per row, None = no padding
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None
+    ) -> None:
+        self.kv, self.length = None, 0
+        self.pending = self.model.context(target_out.hidden)  # [B, T, H]
+        self.pad = left_padding(attention_mask)
+
+    def _block(self, last_tokens: Tensor, call: str) -> Tensor:
+        """Catch the cache up on the pending context, then run the block anchored at
+        `last_tokens` [B] -> its normed hidden [B, block_size, H]."""
+        if self.pending is None:
+            raise RuntimeError(
+                f"DFlashDrafter.{call} called twice without commit (or before prefill)"
+            )
+        device = last_tokens.device
+        slots = torch.arange(self.length, self.length + self.pending.shape[1], device=device)
+        positions = slots[None] if self.pad is None else (slots[None] - self.pad[:, None])
+        new = self.model.context_kv(self.pending, positions.clamp_min(0))
+        if self.kv is not None:
+            new = [
+                (torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                for (k, v), (nk, nv) in zip(self.kv, new, strict=True)
+            ]
+        self.kv, self.length, self.pending = new, self.length + self.pending.shape[1], None
+        B = last_tokens.shape[0]
+        anchor = torch.full((B, 1), self.length, device=device)  # [B, 1] position of last
+        ctx_mask = torch.ones(B, 1, self.length, dtype=torch.bool, device=device)
+        if self.pad is not None:  # padding slots are never context
+            anchor = anchor - self.pad[:, None]
+            real = torch.arange(self.length, device=device)[None, :] >= self.pad[:, None]
+            ctx_mask = real[:, None]
+        h = self.model.blocks(self.embed(last_tokens)[:, None], anchor, self.kv, ctx_mask)
+        return h[:, 0]  # [B, P, H]
+
+    @torch.no_grad()
+    def propose(
+        self, last_tokens: Tensor, k: int, sampling: Sampling, generator=None
+    ) -> tuple[Tensor, Tensor | None]:
+        if k < 1:
+            raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+        # One block gives at most block_size - 1 drafts; the decoder accepts a shorter
+        # proposal (adaptive k may ask for more). Train a larger draft.model.block_size.
+        k = min(k, self.model.block_size - 1)
+        h = self._block(last_tokens, "propose")  # [B, P, H]
+        return self._draw(h, last_tokens, k, sampling, generator)
+
+    def _draw(
+        self, h: Tensor, last_tokens: Tensor, k: int, sampling: Sampling, generator
+    ) -> tuple[Tensor, Tensor | None]:
+        """Drafts 1..k from block positions 1..k, each drawn from its own q."""
+        logits = self.model.logits(h[:, 1 : k + 1], self.head)  # [B, k, V]
+        if sampling.greedy:
+            return logits.argmax(-1), None
+        q = sampling_probs(logits, sampling)  # [B, k, V] float32, the verifier's transform
+        B, _, V = q.shape
+        tokens = torch.multinomial(q.reshape(-1, V), 1, generator=generator).view(B, k)
+        return tokens, q
+
+    def _child_logp(
+        self, h: Tensor, d: int, parents: Tensor, states: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probabilities [B, m, V] of the token at block position d + 1 below each of
+        `parents` [B, m] (tree nodes at depth d; the root `last` at d = 0). DFlash's do not
+        depend on the parent; Domino's do, through `states` (decoding/drafters/domino.py)."""
+        logits = self.model.logits(h[:, d + 1], self.head)  # [B, V]
+        logp = logits.float().log_softmax(-1)[:, None]
+        return logp.expand(-1, parents.shape[1], -1), None
+
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        last_tokens: Tensor,  # [B]
+        tree: TreeSpec,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+        max_depth: int | None = None,
+    ) -> DraftTree:
+        """A dynamic (EAGLE-2) tree from one block forward: level d has the top_k tokens of
+        block position d below each of the top_k most confident nodes of level d - 1; the
+        num_nodes most confident candidates are kept (a child never outscores its parent
+        and ties keep the shallower first, so they form a tree). q = None."""
+        if tree.kind != "dynamic":
+            raise ValueError(
+                f"the {type(self).__name__} drafts dynamic trees (decode=tree_dynamic), got "
+                f"{tree.kind!r}; static paths are for Medusa heads"
+            )
+        depth = min(tree.depth, max_depth or tree.depth, self.model.block_size - 1)
+        h = self._block(last_tokens, "propose_tree")  # [B, P, H]
+        B, device = last_tokens.shape[0], last_tokens.device
+        logp, state = self._child_logp(h, 0, last_tokens[:, None], None)  # [B, 1, V]
+        k = min(tree.top_k, logp.shape[-1])
+        score, ids = logp[:, 0].topk(k, dim=-1)  # [B, k] level-1 candidates
+        cand_ids, cand_score = [ids], [score]
+        cand_parent = [torch.full((B, k), -1, dtype=torch.long, device=device)]
+        # Each candidate's state before its own token (Domino's GRU; None for DFlash).
+        level_state = None if state is None else state.expand(B, k, -1)
+        level_offset = 0  # candidate id of the level's first node
+        for d in range(1, depth):
+            best = cand_score[-1].topk(k, dim=-1).indices  # [B, k] within the level
+            beam_ids, beam_score = cand_ids[-1].gather(1, best), cand_score[-1].gather(1, best)
+            beam_state = None
+            if level_state is not None:
+                G = level_state.shape[-1]
+                beam_state = level_state.gather(1, best[..., None].expand(-1, -1, G))
+            logp, state = self._child_logp(h, d, beam_ids, beam_state)  # [B, k, V]
+            top, child = logp.topk(k, dim=-1)  # [B, k, k]
+            cand_ids.append(child.flatten(1))
+            cand_score.append((beam_score[..., None] + top).flatten(1))
+            cand_parent.append((level_offset + best)[..., None].expand(B, k, k).flatten(1))
+            if state is not None:
+                level_state = state[:, :, None].expand(B, k, k, -1).flatten(1, 2)
+            level_offset += cand_ids[-2].shape[1]
+        ids, score, parent = (torch.cat(x, 1) for x in (cand_ids, cand_score, cand_parent))
+        n = min(tree.num_nodes, ids.shape[1])
+        keep = score.sort(dim=-1, descending=True, stable=True).indices[:, :n]
+        keep = keep.sort(dim=-1).values  # [B, n] candidate order: parents before children
+        new_id = torch.full_like(parent, -1).scatter_(
+            1, keep, torch.arange(n, device=device).expand(B, n)
+        )
+        kept_parent = parent.gather(1, keep)
+        parents = torch.where(kept_parent >= 0, new_id.gather(1, kept_parent.clamp_min(0)), -1)
+        return DraftTree(ids.gather(1, keep), parents, None)
+
+    @torch.no_grad()
+    def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
+        ctx = self.model.context(target_out.hidden)  # [B, n+1, H]
+        if ctx.shape[1] != emitted.shape[1] or emitted.shape[1] != num_accepted + 1:
+            raise ValueError(
+                f"commit: expected target_out over the n+1={num_accepted + 1} kept positions and "
+                f"emitted [B, n+1]; got {ctx.shape[1]} positions and emitted {tuple(emitted.shape)}"
+            )
+        self.pending = ctx

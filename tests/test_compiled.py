@@ -1,0 +1,305 @@
+"""The compiled decoding path (decoding/compiled.py, models/static_cache.py) on the tiny random
+target, in float32 so that compiled and eager decoding must agree token for token.
+
+Backends: `test_compiled_equals_eager_with_inductor` compiles with inductor (torch.compile's
+default mode, with the CPU default of frozen target weights; ~30 s on 2 cores) to check the
+generated code. The other tests use `aot_eager`: dynamo traces, guards and decides
+recompiles exactly as for inductor, but no code is generated, so they take seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from decoding.compiled import STATS, CompiledTarget
+from decoding.drafters import make_drafter
+from decoding.drafters.draft_lm import DraftLMDrafter
+from decoding.drafters.ngram import NgramDrafter
+from decoding.spec import generate
+from decoding.tree import TreeSpec, compact_cache, tree_attention_mask
+from decoding.verify import node_depths
+from models import dflash, draft_lm, eagle, medusa, mtp
+from models.target import Target
+from models.target_loaders import build_tiny_random
+from train.evaluate import evaluate_checkpoint, format_eval_table
+from train.settings import check_decode
+
+V = 128
+
+
+def make_target() -> Target:
+    """The tiny target with an untied random head: varied greedy text (the tied x8 head of
+    build_tiny_random mostly repeats its input)."""
+    target = build_tiny_random(seed=0, vocab_size=V, device="cpu")
+    model = target.model
+    g = torch.Generator().manual_seed(1000)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(
+        torch.randn(V, 64, generator=g) * 0.5, requires_grad=False
+    )
+    with torch.no_grad():
+        model.get_input_embeddings().weight.div_(8.0)
+    return target
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return make_target()
+
+
+def prompts(n: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (1, 6 + 3 * i), generator=g) for i in range(n)]
+
+
+def noisy_copy(model: torch.nn.Module, noise: float = 0.5) -> torch.nn.Module:
+    """A draft LM that mostly agrees with the target: its head plus Gaussian noise."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(noise * torch.randn(draft.lm_head.weight.shape, generator=g))
+    return draft
+
+
+def record(result) -> tuple:
+    return result.sequences, result.accept_counts, result.draft_lens
+
+
+def test_static_rollback_equals_dynamic_crop(target):
+    """Random rounds over both caches, eager: chain rounds of 0..5 drafts cropped to a random
+    accept count (DynamicCache.crop vs StaticKVCache.crop), and tree rounds compacted to a
+    random root path (compact_cache on either). Every forward's logits and hidden layer must
+    agree, i.e. the static cache's rollback leaves exactly the sequence the dynamic one has."""
+    static = CompiledTarget(target, max_len=160, widths=(1, 6, 9), hidden_layers=(1,), mode=None)
+    ids = prompts(1)[0]
+    ref, out = target(ids), static(ids)
+    torch.testing.assert_close(out.logits, ref.logits)
+    dyn, sta = ref.cache, out.cache
+    g = torch.Generator().manual_seed(1)
+    pos = ids.shape[1]
+    for rnd in range(24):
+        past = dyn.get_seq_length()
+        assert sta.get_seq_length() == past
+        if rnd % 3 == 2:  # a tree of 8 nodes below the root, one root path kept
+            N = 8
+            parents = torch.tensor(
+                [[int(torch.randint(-1, i, (1,), generator=g)) for i in range(N)]]
+            )
+            mask = tree_attention_mask(parents, past, None, target.dtype)
+            depth = node_depths(parents)
+            positions = pos + torch.cat([depth.new_zeros(1, 1), depth], 1)
+            kw = dict(attention_mask=mask, position_ids=positions, hidden_layers=(1,))
+        else:  # a chain of k drafts
+            N = int(torch.randint(0, 6, (1,), generator=g))
+            kw = dict(position_ids=pos + torch.arange(N + 1)[None], hidden_layers=(1,))
+        step = torch.randint(3, V, (1, N + 1), generator=g)
+        a, b = target(step, cache=dyn, **kw), static(step, cache=sta, **kw)
+        torch.testing.assert_close(b.logits, a.logits)
+        torch.testing.assert_close(b.hidden[1], a.hidden[1])
+        if rnd % 3 == 2:
+            node = int(torch.randint(0, N, (1,), generator=g))
+            path = [node]
+            while parents[0, path[-1]] >= 0:
+                path.append(int(parents[0, path[-1]]))
+            keep = torch.tensor([[0] + [p + 1 for p in reversed(path)]])  # root + path
+            compact_cache(dyn, past, keep)
+            compact_cache(sta, past, keep)
+            pos += keep.shape[1]
+        else:
+            n = int(torch.randint(0, N + 1, (1,), generator=g))  # accepted drafts
+            dyn.crop(-(N - n))
+            sta.crop(-(N - n))
+            pos += n + 1
+
+
+def test_compiled_equals_eager_with_inductor(target):
+    """Inductor-generated graphs (default mode, frozen weights) give the eager target's logits
+    at both widths, and the same greedy tokens and accept counts, AR and with a drafter."""
+    compiled = CompiledTarget(target, max_len=160, widths=(1, 5), mode="default")
+    compiled.warmup()
+    ids = prompts(1)[0]
+    ref, out = target(ids), compiled(ids)
+    for T in (1, 3, 5):  # 3 runs padded to width 5
+        step = torch.randint(3, V, (1, T))
+        positions = ref.cache.get_seq_length() + torch.arange(T)[None]
+        a = target(step, cache=ref.cache, position_ids=positions)
+        b = compiled(step, cache=out.cache, position_ids=positions)
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
+    for ids in prompts(2, seed=3):
+        eager = generate(target, ids, None, max_new_tokens=24)
+        assert record(generate(compiled, ids, None, max_new_tokens=24)) == record(eager)
+        draft = NgramDrafter(vocab_size=V)
+        eager = generate(target, ids, draft, k=4, max_new_tokens=24)
+        assert record(generate(compiled, ids, draft, k=4, max_new_tokens=24)) == record(eager)
+
+
+def test_no_recompile_across_rounds_of_varying_accept_counts(target):
+    """After the warm-up prompt, 20+ rounds with different accept counts, drafts cut short by
+    the token budget, n-gram proposals of any length and AR steps compile no new graph:
+    every forward is padded to a width that already has one."""
+    compiled = CompiledTarget(target, max_len=200, widths=(1, 5), mode="aot_eager")
+    lm = DraftLMDrafter(noisy_copy(target.model), compiled)
+    ngram = NgramDrafter(vocab_size=V)
+    warm = prompts(1, seed=5)[0]
+    generate(compiled, warm, None, max_new_tokens=8)
+    generate(compiled, warm, lm, k=4, max_new_tokens=24)
+    generate(compiled, warm, ngram, k=4, max_new_tokens=24)
+    graphs = STATS.graphs
+    assert graphs > 0
+    accepts, budgets = [], []
+    for ids in prompts(4, seed=6):
+        for drafter in (lm, ngram):
+            r = generate(compiled, ids, drafter, k=4, max_new_tokens=23)
+            accepts += r.accept_counts
+            budgets += r.draft_lens
+        generate(compiled, ids, None, max_new_tokens=6)
+    assert len(accepts) >= 20 and len(set(accepts)) >= 3, accepts
+    assert len(set(budgets)) >= 3, budgets  # 4 drafts, fewer at the budget / n-gram misses
+    assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled after warm-up"
+
+
+def draft_for(kind: str, target: Target) -> tuple[torch.nn.Module, TreeSpec | None]:
+    torch.manual_seed(0)
+    if kind == "draft_lm":
+        return draft_lm.from_target(target, num_layers=1), None
+    if kind.startswith("eagle"):
+        tree = TreeSpec(kind="dynamic", depth=3, top_k=3, num_nodes=8) if "tree" in kind else None
+        return eagle.from_target(target, None, vocab_size="full", ttt_steps=2), tree
+    if kind.startswith("medusa"):
+        heads = medusa.from_target(target, num_heads=3, head_init="copy")
+        return heads, TreeSpec(
+            paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+        ) if "tree" in kind else None
+    if kind == "dflash":
+        return dflash.from_target(target, block_size=4, layers=[1, 2]), None
+    return mtp.from_target(target, num_depths=2), None
+
+
+@pytest.mark.parametrize(
+    "kind", ["draft_lm", "eagle", "eagle_tree", "medusa", "medusa_tree", "mtp", "dflash"]
+)
+def test_drafters_compiled_equal_eager(target, kind):
+    """Every drafter built on a CompiledTarget (its own static cache, padded compiled steps;
+    DFlash runs eagerly beside the compiled target) drafts what it drafts eagerly: same
+    tokens, accept counts and draft lengths, for a batch of one and a left-padded batch of
+    two. After the first (warm-up) prompt no graph is compiled, the drafter's included."""
+    draft, tree = draft_for(kind, target)
+    k = 3
+    ids_list = prompts(3, seed=9)  # 6, 9 and 12 tokens
+    for batch in (1, 2):
+        if batch == 1:
+            cases = [(ids, None) for ids in ids_list]
+        else:  # left-padded rows: (6, 9) tokens, then (9, 12)
+            cases = [left_padded(ids_list[:2]), left_padded(ids_list[1:])]
+        widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
+        compiled = CompiledTarget(
+            target, 96, widths, make_drafter(draft, target).hidden_layers, "aot_eager",
+            batch_size=batch,
+        )  # fmt: skip
+        compiled.warmup()
+        eager_drafter, compiled_drafter = make_drafter(draft, target), make_drafter(draft, compiled)
+        for i, (ids, mask) in enumerate(cases):
+            if i == 1:  # the first case was the warm-up
+                graphs = STATS.graphs
+            kw = dict(k=k, max_new_tokens=20, attention_mask=mask, tree=tree, eos_token_ids=[])
+            eager = generate(target, ids, eager_drafter, **kw)
+            assert record(generate(compiled, ids, compiled_drafter, **kw)) == record(eager)
+        assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled after warm-up"
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, T_i] prompts -> left-padded ids [B, T] and attention mask [B, T] (1 = real)."""
+    width = max(p.shape[1] for p in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, p in enumerate(rows):
+        ids[b, width - p.shape[1] :], mask[b, width - p.shape[1] :] = p[0], 1
+    return ids, mask
+
+
+def eval_cfg(**decode) -> OmegaConf:
+    """conf/decode/chain.yaml with small compiled-evaluation settings; `decode` overrides any."""
+    dec = OmegaConf.load("conf/decode/chain.yaml")
+    small = dict(k=3, temperatures=[0.0], max_new_tokens=12, num_prompts=2, warmup=1,
+                 dtype="float32", compile=True, compile_mode="aot_eager")  # fmt: skip
+    dec.merge_with(small | decode)
+    return OmegaConf.create({"seed": 0, "decode": dec})
+
+
+def test_evaluate_checkpoint_keeps_the_graphs_between_checkpoints(target):
+    """decode.compile=true reports the compiled path beside the eager one. The second
+    checkpoint compiles nothing (the kept draft copy takes the new weights in place) and still
+    decodes with the NEW weights: a perfect draft after a random one gives the eager τ."""
+    cfg = eval_cfg()
+    eval_prompts = [{"input_ids": p[0].tolist()} for p in prompts(2, seed=11)]
+    random_draft = draft_lm.from_target(target, num_layers=2, init="random")
+    perfect = draft_lm.from_target(target, num_layers=2, init="target")  # the target itself
+    first, copies = evaluate_checkpoint(target, random_draft, eval_prompts, cfg, None)
+    assert first["compiled_graphs"] > 0
+    assert first["greedy/compiled_tau"] == first["greedy/tau"]
+    second, _ = evaluate_checkpoint(target, perfect, eval_prompts, cfg, None, copies)
+    assert second["compiled_graphs"] == 0 and second["compile_s"] == 0.0
+    assert second["greedy/compiled_tau"] == second["greedy/tau"] > first["greedy/tau"] + 1
+    assert second["speedup_compiled"] == second["greedy/compiled_speedup"]
+    table = format_eval_table([first, second])  # eager and compiled speedups side by side
+    assert "| speedup vs AR |" in table and "| speedup compiled (vs compiled AR) |" in table
+    assert f"| {second['greedy/compiled_speedup']:.2f}x |" in table.splitlines()[-1]
+    assert "speedup compiled" not in format_eval_table([{"greedy/tau": 1.0}])
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(compile_mode="fastest"), "decode.compile_mode"),
+        (dict(warmup=0), "decode.warmup >= 1"),
+        (dict(compile="yes"), "decode.compile must be true or false"),
+    ],
+)
+def test_bad_compile_settings_raise(change, words):
+    check_decode(eval_cfg().decode)  # the good settings pass
+    with pytest.raises(ValueError, match=words):
+        check_decode(eval_cfg(**change).decode)
+
+
+def test_a_forward_wider_than_the_widths_raises(target):
+    compiled = CompiledTarget(target, max_len=64, widths=(1, 3), mode=None)
+    out = compiled(prompts(1)[0])
+    with pytest.raises(ValueError, match="wider than the compiled widths"):
+        compiled(torch.ones(1, 4, dtype=torch.long), cache=out.cache)
+    with pytest.raises(ValueError, match="static KV cache holds 64 positions"):
+        compiled(torch.ones(1, 70, dtype=torch.long))
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_eager():
+    """CUDA (scripts/gpu_check.sh): the `auto` mode there, reduce-overhead (inductor + CUDA
+    graphs replayed over the static cache), decodes what the eager loop decodes, AR and with
+    an EAGLE drafter, chain and dynamic tree, in fp32; after the warm-up prompt no graph is
+    compiled (a new graph would also mean a new CUDA-graph recording)."""
+    target = make_target().to("cuda")
+    eagle_draft, tree = draft_for("eagle_tree", target)
+    eagle_draft = eagle_draft.to("cuda")
+    k = 3
+    for spec in (None, tree):
+        widths = (1, k + 1) if spec is None else (1, spec.size + 1)
+        compiled = CompiledTarget(target, 96, widths, eagle_draft.hidden_layers, "auto")
+        assert compiled.mode == "reduce-overhead"
+        compiled.warmup()
+        drafters = {"eager": make_drafter(eagle_draft, target)}
+        drafters["compiled"] = make_drafter(eagle_draft, compiled)
+        graphs = None
+        for i, ids in enumerate(prompts(3, seed=12)):
+            ids = ids.to("cuda")
+            if i == 1:  # the first prompt was the warm-up
+                graphs = STATS.graphs
+            kw = dict(k=k, max_new_tokens=20, eos_token_ids=[])
+            eager = generate(target, ids, None, **kw)
+            assert record(generate(compiled, ids, None, **kw)) == record(eager)
+            eager = generate(target, ids, drafters["eager"], tree=spec, **kw)
+            compiled_run = generate(compiled, ids, drafters["compiled"], tree=spec, **kw)
+            assert record(compiled_run) == record(eager)
+        assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled after warm-up"
