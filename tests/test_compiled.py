@@ -303,3 +303,39 @@ def test_cuda_graphs_equal_eager():
             compiled_run = generate(compiled, ids, drafters["compiled"], tree=spec, **kw)
             assert record(compiled_run) == record(eager)
         assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled after warm-up"
+
+
+def test_compiled_sampling_follows_the_target_distribution():
+    """Losslessness on the compiled path: speculative sampling through a CompiledTarget (static
+    cache, compiled widths 1 and k+1) with a draft that disagrees often draws (t1, t2, t3) from
+    the eager target's exact distribution (G-test as tests/test_spec.py, same bins), and the
+    test has power: the draft's own samples are rejected."""
+    from test_spec import N_SINGLE, NO_EOS, P_THRESHOLD, exact_triples, g_test, prompt_ids
+    from test_spec import make_target as make_spec_target
+    from test_spec import noisy_copy as spec_noisy_copy
+
+    from decoding.drafter import Sampling
+
+    target = make_spec_target()
+    sampling = Sampling(temperature=1.0)
+    ids = prompt_ids(target, "hello there")
+    table = exact_triples(target, ids, sampling, min_p=5 / N_SINGLE)
+    compiled = CompiledTarget(target, ids.shape[1] + 16, widths=(1, 3), mode="aot_eager")
+    compiled.warmup()
+    draft = spec_noisy_copy(target.model, 0.5)
+    drafter = DraftLMDrafter(draft, compiled)
+    gen = torch.Generator().manual_seed(0)
+    samples, accepts = [], []
+    for i in range(N_SINGLE):
+        if i == 1:  # after the first call every graph exists (the drafter's come on first use)
+            graphs = STATS.graphs
+        out = generate(compiled, ids, drafter, k=2, sampling=sampling, max_new_tokens=4,
+                       generator=gen, eos_token_ids=NO_EOS)  # fmt: skip
+        samples.append(tuple(out.sequences[0][:3]))
+        accepts.append(out.accept_counts[0])
+    assert STATS.graphs == graphs  # no graph compiled per round
+    assert {0, 1, 2} <= set(accepts)  # every acceptance path was exercised
+    assert g_test(samples, table) > P_THRESHOLD
+    wrong = generate(Target(draft, target.tokenizer, "draft"), ids.expand(4 * N_SINGLE, -1), None,
+                     sampling=sampling, max_new_tokens=3, generator=gen, eos_token_ids=NO_EOS)  # fmt: skip
+    assert g_test([tuple(s) for s in wrong.sequences], table) < 1e-6
