@@ -32,7 +32,7 @@ and returns a JSON-able dict:
                          their mean acceptance, and the least-squares line acceptance ≈
                          intercept + slope·H (greedy: H of the T=1 softmax, acceptance 0/1;
                          T > 0: H of the verifier's p, acceptance Σ min(p, q); trees: one
-                         position per depth)
+                         position per depth); None with `entropy=False`
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ def evaluate(
     adaptive_k: bool = False,
     eos_token_ids: list[int] | None = None,
     tree: TreeSpec | None = None,  # draft trees instead of chains (k is then unused)
+    entropy: bool = True,  # record entropy_alpha (False: None, and no probe work per round)
 ) -> dict:
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -117,7 +118,7 @@ def evaluate(
         generate(target, _as_row(prompts[i]), None, generator=gen(i), **kw)
         generate(target, _as_row(prompts[i]), drafter, generator=gen(i), **spec_kw)
     ar_runs, spec_runs = [], []
-    probe = EntropyProbe()  # the measured runs only, not the warm-up
+    probe = EntropyProbe() if entropy else None  # the measured runs only, not the warm-up
     for i, prompt in enumerate(prompts):
         ar_runs.append(generate(target, _as_row(prompt), None, generator=gen(i), **kw))
         spec_runs.append(
@@ -165,7 +166,7 @@ def evaluate(
         / max(sum(r.rounds_s for r in ar_runs), 1e-9),
         "greedy_match_rate": None,
         "greedy_exact_match": None,
-        "entropy_alpha": probe.summary(),
+        "entropy_alpha": None if probe is None else probe.summary(),
         "device": str(device),
         "dtype": str(target.dtype).removeprefix("torch."),
     }

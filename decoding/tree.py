@@ -17,7 +17,8 @@ Trees (`TreeSpec`):
            3rd candidate at depth 2 below the 1st candidate at depth 1.
   dynamic  EAGLE-2: expand the top_k most confident nodes of each depth (cumulative draft
            log-probability), top_k children each, for `depth` levels; keep the num_nodes
-           most confident nodes (a child never outranks its parent, so the set is a tree).
+           most confident nodes (a child never outranks its parent, so the set is a tree);
+           `dynamic_tree` builds it from a drafter's `expand` (EAGLE, DFlash, Domino).
 A drafter that can draft trees implements `propose_tree` (`TreeDrafter`); its `commit` is
 the chain one, called with the target's output at the kept positions [c, path[:n]].
 
@@ -29,6 +30,7 @@ lossless for the same reason. Rows may have different tree shapes (dynamic trees
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol, runtime_checkable
@@ -122,6 +124,67 @@ def static_parents(paths: tuple[tuple[int, ...], ...]) -> list[int]:
     ordered = static_tree(paths)
     index = {p: i for i, p in enumerate(ordered)}
     return [index[p[:-1]] if len(p) > 1 else -1 for p in ordered]
+
+
+# expand(depth, beam_ids, beam_parent) -> log-probs [B, k, V] of the children of the k nodes
+# being expanded at `depth` (1 = level 1): their tokens beam_ids [B, k] (draft ids) and,
+# per node, its parent's row among the nodes of the previous call (0 = the root at depth 1),
+# so a drafter carrying per-node state (EAGLE's hidden, Domino's GRU state) gathers it there.
+ExpandFn = Callable[[int, Tensor, Tensor], Tensor]
+
+
+def dynamic_tree(
+    first_logp: Tensor,  # [B, V] the root's draft log-probabilities (level 1)
+    expand: ExpandFn,
+    depth: int,
+    top_k: int,
+    num_nodes: int,
+) -> tuple[Tensor, Tensor]:
+    """EAGLE-2 dynamic tree -> (draft ids [B, n], parents [B, n], -1 = the root). Level 1:
+    the root's top_k tokens; each further level: the top_k nodes of the previous level by
+    cumulative draft log-probability are expanded (one `expand` call per level), each gives
+    its top_k children; then `select_nodes` keeps the num_nodes most confident."""
+    B, device = first_logp.shape[0], first_logp.device
+    k = min(top_k, first_logp.shape[-1])
+    score, ids = first_logp.topk(k, dim=-1)  # [B, k] level-1 candidates
+    cand_ids, cand_score = [ids], [score]
+    cand_parent = [torch.full((B, k), -1, dtype=torch.long, device=device)]
+    level_offset = 0  # candidate id of the level's first node
+    for d in range(1, depth):
+        best = cand_score[-1].topk(k, dim=-1).indices  # [B, k] within the level
+        beam_ids, beam_score = cand_ids[-1].gather(1, best), cand_score[-1].gather(1, best)
+        # Level d's candidate j is child j % k of the previous call's node j // k (level 1:
+        # j < k, all below the root, row 0).
+        logp = expand(d, beam_ids, best // k)  # [B, k, V]
+        top, child = logp.topk(k, dim=-1)  # [B, k, k]
+        cand_ids.append(child.flatten(1))
+        cand_score.append((beam_score[..., None] + top).flatten(1))
+        cand_parent.append((level_offset + best)[..., None].expand(B, k, k).flatten(1))
+        level_offset += cand_ids[-2].shape[1]
+    ids, score, parent = (torch.cat(x, 1) for x in (cand_ids, cand_score, cand_parent))
+    return select_nodes(ids, score, parent, num_nodes)
+
+
+def select_nodes(
+    ids: Tensor,  # [B, C] candidate tokens
+    score: Tensor,  # [B, C] cumulative draft log-probability
+    parent: Tensor,  # [B, C] candidate id of the parent (< own id), -1 = the root
+    num_nodes: int,
+) -> tuple[Tensor, Tensor]:
+    """Keep the num_nodes highest-scoring candidates -> (ids [B, n], parents [B, n]
+    renumbered to the kept nodes, -1 = the root). A child's score never exceeds its
+    parent's and the stable sort keeps earlier (shallower) candidates first among equal
+    scores, so every kept node's parent is kept: the set is a tree."""
+    B = ids.shape[0]
+    n = min(num_nodes, ids.shape[1])
+    keep = score.sort(dim=-1, descending=True, stable=True).indices[:, :n]
+    keep = keep.sort(dim=-1).values  # [B, n] candidate order: parents before children
+    new_id = torch.full_like(parent, -1).scatter_(
+        1, keep, torch.arange(n, device=ids.device).expand(B, n)
+    )
+    kept_parent = parent.gather(1, keep)
+    parents = torch.where(kept_parent >= 0, new_id.gather(1, kept_parent.clamp_min(0)), -1)
+    return ids.gather(1, keep), parents
 
 
 @dataclass

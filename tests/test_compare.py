@@ -362,5 +362,6 @@ def test_notebook_is_stripped_and_runs_on_the_sweep(sweep, monkeypatch):
     text = "".join(o.get("text", "") for o in outputs)
     assert "4 runs in 2 groups, grouped by ['loss.name']" in text
     tables = [o.data["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
-    assert len(tables) == 1 and sorted(_table_rows(tables[0])) == ["ce", "tv"]
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
+    assert len(tables) == 2 and sorted(_table_rows(tables[0])) == ["ce", "tv"]
+    assert "slope (per nat)" in tables[1] and "entropy in nats" in tables[1]  # vs entropy
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4

@@ -15,6 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import decoding.metrics
 from decoding.compiled import STATS, CompiledTarget
 from decoding.drafters import make_drafter
 from decoding.drafters.draft_lm import DraftLMDrafter
@@ -230,10 +231,20 @@ def eval_cfg(**decode) -> OmegaConf:
     return OmegaConf.create({"seed": 0, "decode": dec})
 
 
-def test_evaluate_checkpoint_keeps_the_graphs_between_checkpoints(target):
+def test_evaluate_checkpoint_keeps_the_graphs_between_checkpoints(target, monkeypatch):
     """decode.compile=true reports the compiled path beside the eager one. The second
     checkpoint compiles nothing (the kept draft copy takes the new weights in place) and still
-    decodes with the NEW weights: a perfect draft after a random one gives the eager τ."""
+    decodes with the NEW weights: a perfect draft after a random one gives the eager τ. The
+    compiled pass records no target entropy (only COMPILED_KEYS are reported)."""
+    probes = {"eager": [], "compiled": []}  # what evaluate handed generate, per path
+    real_generate = decoding.metrics.generate
+
+    def recording_generate(decode_target, *args, probe=None, **kwargs):
+        path = "compiled" if isinstance(decode_target, CompiledTarget) else "eager"
+        probes[path].append(probe)
+        return real_generate(decode_target, *args, probe=probe, **kwargs)
+
+    monkeypatch.setattr(decoding.metrics, "generate", recording_generate)
     cfg = eval_cfg()
     eval_prompts = [{"input_ids": p[0].tolist()} for p in prompts(2, seed=11)]
     random_draft = draft_lm.from_target(target, num_layers=2, init="random")
@@ -249,6 +260,8 @@ def test_evaluate_checkpoint_keeps_the_graphs_between_checkpoints(target):
     assert "| speedup vs AR |" in table and "| speedup compiled (vs compiled AR) |" in table
     assert f"| {second['greedy/compiled_speedup']:.2f}x |" in table.splitlines()[-1]
     assert "speedup compiled" not in format_eval_table([{"greedy/tau": 1.0}])
+    assert probes["compiled"] and all(p is None for p in probes["compiled"])
+    assert any(p is not None for p in probes["eager"])  # the eager pass keeps its probe
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,29 @@ def test_evaluate_perfect_and_wrong_drafts():
         assert wrong[key] > 0
 
 
+def test_evaluate_without_entropy_passes_no_probe(monkeypatch):
+    """entropy=False (train/evaluate.py's compiled pass): generate never gets a probe,
+    entropy_alpha is None, and the acceptance numbers are those of the run with the probe."""
+    target = make_target()
+    prompts = [prompt_ids(target, p)[0] for p in ("hello there", "a poem")]
+    drafter = DraftLMDrafter(noisy_copy(target.model, 0.8))
+    kw = dict(k=3, max_new_tokens=12, warmup=0, eos_token_ids=[])
+    with_entropy = evaluate(target, drafter, prompts, **kw)
+    probes = []
+    real_generate = decoding.metrics.generate
+
+    def recording_generate(*args, probe=None, **kwargs):
+        probes.append(probe)
+        return real_generate(*args, probe=probe, **kwargs)
+
+    monkeypatch.setattr(decoding.metrics, "generate", recording_generate)
+    without = evaluate(target, drafter, prompts, entropy=False, **kw)
+    assert probes == [None] * 2 * len(prompts) and without["entropy_alpha"] is None
+    assert sum(with_entropy["entropy_alpha"]["count"]) > 0
+    for key in ("tau", "alpha", "accept_hist", "new_tokens", "greedy_match_rate"):
+        assert without[key] == with_entropy[key]
+
+
 class CostlyPrefillDrafter(DraftLMDrafter):
     """A draft LM whose prefill costs `prefill_s` more on the fake clock."""
 

@@ -21,7 +21,7 @@ from models.protocol import DraftOutput
 from models.target import Target
 from models.target_loaders import build_tiny_random
 from train.losses import LOSSES
-from train.replay import make_batch, replay_loss
+from train.replay import Replay, make_batch, replay_loss
 from train.rollouts import ReplayBuffer, Rollout, prompt_prefix, record_rounds, rollout
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -295,3 +295,15 @@ def test_replay_resume_repeats_the_uninterrupted_run(tmp_path):
     b, _, _ = load_checkpoint(tmp_path / "b" / "checkpoints" / "step_00000004")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["lk", "lk_alpha", "dspark"])
+def test_replay_refuses_losses_that_need_the_full_vocabulary(name):
+    """The LK / DSpark losses take alpha over the target's full-vocabulary p and loss.* settings,
+    which replay batches do not carry: refused at construction, not silently defaulted."""
+    rows = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}]
+    with pytest.raises(ValueError, match=f"replay.accepted_loss='{name}'.*full-vocabulary"):
+        Replay(rows, offsets=[1], pad_token_id=0, accepted_loss=name)
+    with pytest.raises(ValueError, match=f"replay.rejected_loss='{name}'"):
+        Replay(rows, offsets=[1], pad_token_id=0, rejected_loss=name)
+    Replay(rows, offsets=[1], pad_token_id=0, accepted_loss="tv", rejected_loss="rkl")  # allowed

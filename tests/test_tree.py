@@ -26,6 +26,8 @@ from decoding.tree import (
     DraftTree,
     TreeSpec,
     compact_cache,
+    dynamic_tree,
+    select_nodes,
     static_parents,
     static_tree,
     tree_forward,
@@ -60,6 +62,45 @@ def target():
 @pytest.fixture(scope="module")
 def refs(target):
     return [hf_greedy(target, prompt_ids(target, p), 24, []) for p in PROMPTS]
+
+
+# -- the EAGLE-2 tree builder (decoding/tree.py: dynamic_tree, select_nodes) ---------------------
+def test_dynamic_tree_by_hand():
+    """depth 3, top_k 2, 6 nodes over V = 4, scores worked out by hand (probabilities):
+    level 1: c0 = tok 0 (.5), c1 = tok 1 (.3); expand c0 -> c2 = tok 1 (.4), c3 = tok 0 (.05)
+    and c1 -> c4 = tok 0 (.21), c5 = tok 2 (.06); level 2's best are c2, c4 (parent rows 0, 1
+    of the previous call): c2 -> c6 = tok 3 (.32), c7 = tok 2 (.04); c4 -> c8 = tok 0 (.126),
+    c9 = tok 1 (.063). Kept: c0 c1 c2 c4 c6 c8 (in candidate order)."""
+    rows = {
+        1: [[0.1, 0.8, 0.05, 0.05], [0.7, 0.05, 0.2, 0.05]],
+        2: [[0.05, 0.05, 0.1, 0.8], [0.6, 0.3, 0.05, 0.05]],
+    }
+    calls = []
+
+    def expand(d, beam_ids, beam_parent):
+        calls.append((d, beam_ids.tolist(), beam_parent.tolist()))
+        return torch.tensor([rows[d]]).log()  # [1, 2, 4]
+
+    first = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    ids, parents = dynamic_tree(first, expand, depth=3, top_k=2, num_nodes=6)
+    assert calls == [(1, [[0, 1]], [[0, 0]]), (2, [[1, 0]], [[0, 1]])]
+    assert ids.tolist() == [[0, 1, 1, 0, 3, 0]]
+    assert parents.tolist() == [[-1, -1, 0, 1, 2, 3]]
+    ids, parents = dynamic_tree(first, expand, depth=1, top_k=3, num_nodes=2)
+    assert ids.tolist() == [[0, 1]] and parents.tolist() == [[-1, -1]]
+
+
+def test_select_nodes_keeps_the_shallower_of_equal_scores_per_row():
+    """Row 0: c1 (depth 1) and its equal-scored child c3 tie with c2: the stable sort keeps the
+    earlier candidates c1, c2. Row 1: the best three are c0, c2 and c2's child c3."""
+    ids = torch.tensor([[20, 21, 22, 23], [10, 11, 12, 13]])
+    score = torch.tensor([[0.0, -1.0, -1.0, -1.0], [0.0, -2.0, -0.5, -1.0]])
+    parent = torch.tensor([[-1, -1, 0, 1], [-1, -1, 0, 2]])
+    kept, parents = select_nodes(ids, score, parent, num_nodes=3)
+    assert kept.tolist() == [[20, 21, 22], [10, 12, 13]]
+    assert parents.tolist() == [[-1, -1, 0], [-1, 0, 1]]
+    kept, parents = select_nodes(ids, score, parent, num_nodes=9)  # more than the candidates
+    assert kept.tolist() == ids.tolist() and parents.tolist() == parent.tolist()
 
 
 # -- the target's tree forward and KV compaction --------------------------------------------------

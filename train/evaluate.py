@@ -154,7 +154,7 @@ def evaluate_checkpoint(
         with torch.no_grad():
             m = evaluate(decode_target, drafter, prompts, **kw)
             if compiled is not None:
-                mc = evaluate(*compiled, prompts, **kw)
+                mc = evaluate(*compiled, prompts, entropy=False, **kw)  # COMPILED_KEYS only
                 result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
         for key, value in m.items():
             result[f"{tag}/{key}"] = value

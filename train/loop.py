@@ -19,6 +19,7 @@ out of inference mode every step would cost more than inference_mode saves.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -100,14 +101,21 @@ def _lr_lambda(warmup: int, total: int, min_ratio: float, time_progress=None):
     return fn
 
 
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, num_rows: int) -> tuple[int, ...]:
+    """The seeded order of one epoch, drawn once (not once per row: the feature cache asks
+    for a whole epoch at a time)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return tuple(torch.randperm(num_rows, generator=g).tolist())
+
+
 def global_rows(step: int, rows_per_step: int, num_rows: int, seed: int) -> list[int]:
     """Row indices of optimizer step `step`: a contiguous slice of an endless stream that
     visits every row once per epoch in a seeded per-epoch order."""
     out, start = [], step * rows_per_step
     for j in range(start, start + rows_per_step):
         epoch, pos = divmod(j, num_rows)
-        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        out.append(int(torch.randperm(num_rows, generator=g)[pos]))
+        out.append(_epoch_order(seed, epoch, num_rows)[pos])
     return out
 
 

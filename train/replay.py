@@ -176,6 +176,12 @@ class Replay:
         for name, value in (("accepted_loss", accepted_loss), ("rejected_loss", rejected_loss)):
             if value not in LOSSES:
                 raise ValueError(f"replay.{name}={value!r} is not one of {sorted(LOSSES)}")
+            if value in ("lk", "lk_alpha", "dspark"):  # their alpha needs the full-vocabulary p
+                raise ValueError(
+                    f"replay.{name}={value!r}: the LK / DSpark losses compute alpha over the "
+                    "target's full-vocabulary distribution (and take loss.* settings), which a "
+                    "replay batch does not carry; use kl, rkl, tv or ce for replay"
+                )
         if not 0.0 <= ratio < 1.0:
             raise ValueError(
                 f"replay.ratio is the replay share of the loss, in [0, 1); got {ratio}"

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from decoding.drafter import Sampling
 from decoding.drafters.cache import left_padding
-from decoding.tree import DraftTree, TreeSpec
+from decoding.tree import DraftTree, TreeSpec, dynamic_tree
 from decoding.verify import sampling_probs
 from models.dflash import DFlashDraft
 from models.target import Target, TargetOutput
@@ -140,40 +140,22 @@ class DFlashDrafter:
             )
         depth = min(tree.depth, max_depth or tree.depth, self.model.block_size - 1)
         h = self._block(last_tokens, "propose_tree")  # [B, P, H]
-        B, device = last_tokens.shape[0], last_tokens.device
         logp, state = self._child_logp(h, 0, last_tokens[:, None], None)  # [B, 1, V]
-        k = min(tree.top_k, logp.shape[-1])
-        score, ids = logp[:, 0].topk(k, dim=-1)  # [B, k] level-1 candidates
-        cand_ids, cand_score = [ids], [score]
-        cand_parent = [torch.full((B, k), -1, dtype=torch.long, device=device)]
-        # Each candidate's state before its own token (Domino's GRU; None for DFlash).
-        level_state = None if state is None else state.expand(B, k, -1)
-        level_offset = 0  # candidate id of the level's first node
-        for d in range(1, depth):
-            best = cand_score[-1].topk(k, dim=-1).indices  # [B, k] within the level
-            beam_ids, beam_score = cand_ids[-1].gather(1, best), cand_score[-1].gather(1, best)
+        # The state after each node of the last expanded level, i.e. its children's state
+        # before their own token (Domino's GRU; None for DFlash); the root's first.
+        prev_state = state  # [B, 1, G] | None
+
+        def expand(d: int, beam_ids: Tensor, beam_parent: Tensor) -> Tensor:
+            nonlocal prev_state
             beam_state = None
-            if level_state is not None:
-                G = level_state.shape[-1]
-                beam_state = level_state.gather(1, best[..., None].expand(-1, -1, G))
-            logp, state = self._child_logp(h, d, beam_ids, beam_state)  # [B, k, V]
-            top, child = logp.topk(k, dim=-1)  # [B, k, k]
-            cand_ids.append(child.flatten(1))
-            cand_score.append((beam_score[..., None] + top).flatten(1))
-            cand_parent.append((level_offset + best)[..., None].expand(B, k, k).flatten(1))
-            if state is not None:
-                level_state = state[:, :, None].expand(B, k, k, -1).flatten(1, 2)
-            level_offset += cand_ids[-2].shape[1]
-        ids, score, parent = (torch.cat(x, 1) for x in (cand_ids, cand_score, cand_parent))
-        n = min(tree.num_nodes, ids.shape[1])
-        keep = score.sort(dim=-1, descending=True, stable=True).indices[:, :n]
-        keep = keep.sort(dim=-1).values  # [B, n] candidate order: parents before children
-        new_id = torch.full_like(parent, -1).scatter_(
-            1, keep, torch.arange(n, device=device).expand(B, n)
-        )
-        kept_parent = parent.gather(1, keep)
-        parents = torch.where(kept_parent >= 0, new_id.gather(1, kept_parent.clamp_min(0)), -1)
-        return DraftTree(ids.gather(1, keep), parents, None)
+            if prev_state is not None:
+                G = prev_state.shape[-1]
+                beam_state = prev_state.gather(1, beam_parent[..., None].expand(-1, -1, G))
+            logp, prev_state = self._child_logp(h, d, beam_ids, beam_state)  # [B, k, V]
+            return logp
+
+        ids, parents = dynamic_tree(logp[:, 0], expand, depth, tree.top_k, tree.num_nodes)
+        return DraftTree(ids, parents, None)
 
     @torch.no_grad()
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:

@@ -18,14 +18,9 @@ from torch import Tensor
 from decoding.drafter import Sampling
 from decoding.drafters.dflash import DFlashDrafter
 from decoding.verify import sampling_probs
-from models.domino import DominoDraft
-from models.target import Target
 
 
 class DominoDrafter(DFlashDrafter):
-    def __init__(self, model: DominoDraft, target: Target):
-        super().__init__(model, target)
-
     def _draw(
         self, h: Tensor, last_tokens: Tensor, k: int, sampling: Sampling, generator
     ) -> tuple[Tensor, Tensor | None]:

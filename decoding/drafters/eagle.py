@@ -39,7 +39,7 @@ from transformers import DynamicCache
 from decoding.compiled import DRAFT_EXTRA_SLOTS, CachedStep, CompiledTarget, pad_seq, unwrap
 from decoding.drafter import Sampling
 from decoding.drafters.cache import crop_to, left_padding, positions_and_mask
-from decoding.tree import DraftTree, TreeSpec
+from decoding.tree import DraftTree, TreeSpec, dynamic_tree
 from decoding.verify import sampling_probs
 from models.eagle import EagleDraft
 from models.static_cache import StaticKVCache
@@ -187,21 +187,17 @@ class EagleDrafter:
             prefix = torch.arange(self.kept_len, device=device)[None, :] >= self.pad[:, None]
 
         logp = self.model.logits(h_root, self.head).float().log_softmax(-1)[:, 0]  # [B, V_draft]
-        k = min(tree.top_k, logp.shape[-1])
-        score, ids = logp.topk(k, dim=-1)  # [B, k] level-1 candidates
-        cand_ids, cand_score = [ids], [score]
-        cand_parent = [torch.full((B, k), -1, dtype=torch.long, device=device)]
-        level_hidden = h_root.expand(B, k, -1)  # each candidate's input feature: parent's output
-        level_slots = torch.zeros(B, k, 0, dtype=torch.long, device=device)  # beam slot path
-        level_offset = 0  # candidate id of the level's first node
-        for d in range(1, depth):
-            # Expand the level's top-k nodes by cumulative score.
-            level_score = cand_score[-1]
-            best = level_score.topk(k, dim=-1).indices  # [B, k] within the level
-            beam_ids = cand_ids[-1].gather(1, best)
-            beam_score = level_score.gather(1, best)
-            beam_hidden = level_hidden.gather(1, best[..., None].expand(-1, -1, h_root.shape[-1]))
-            slots = level_slots.gather(1, best[..., None].expand(-1, -1, d - 1))
+        # Per node of the last expanded level (the root first): its layer output, which is
+        # its children's input feature, and its beam slot path in the draft cache.
+        prev_hidden = h_root  # [B, 1, H]
+        prev_slots = torch.zeros(B, 1, 0, dtype=torch.long, device=device)  # [B, 1, 0]
+
+        def expand(d: int, beam_ids: Tensor, beam_parent: Tensor) -> Tensor:
+            nonlocal prev_hidden, prev_slots
+            k = beam_ids.shape[1]
+            H = prev_hidden.shape[-1]
+            beam_hidden = prev_hidden.gather(1, beam_parent[..., None].expand(-1, -1, H))
+            slots = prev_slots.gather(1, beam_parent[..., None].expand(-1, -1, d - 1))
             slots = torch.cat([slots, torch.arange(k, device=device).expand(B, k)[..., None]], -1)
             # The new entries see the real prefix and, per earlier level, their ancestor's slot.
             tree_mask = torch.nn.functional.one_hot(slots, k).flatten(-2).bool()  # [B, k, d*k]
@@ -213,27 +209,11 @@ class EagleDrafter:
             else:  # the static cache's attention reads every slot: hide the ones past the tree
                 mask = F.pad(mask, (0, self.cache.max_len - mask.shape[-1]))
                 h = self.step(k, beam_hidden, target_ids, positions, mask)
-            child_logp = self.model.logits(h, self.head).float().log_softmax(-1)  # [B, k, V_d]
-            top, child = child_logp.topk(k, dim=-1)  # [B, k, k]
-            cand_ids.append(child.flatten(1))
-            cand_score.append((beam_score[..., None] + top).flatten(1))
-            parent = level_offset + best  # candidate ids of the expanded nodes
-            cand_parent.append(parent[..., None].expand(B, k, k).flatten(1))
-            level_hidden = h[:, :, None].expand(B, k, k, -1).flatten(1, 2)
-            level_slots = slots[:, :, None].expand(B, k, k, d).flatten(1, 2)
-            level_offset += cand_ids[-2].shape[1]
-        ids, score, parent = (torch.cat(x, 1) for x in (cand_ids, cand_score, cand_parent))
-        # Rerank: stable sort keeps earlier (shallower) candidates first among equal scores.
-        n = min(tree.num_nodes, ids.shape[1])
-        keep = score.sort(dim=-1, descending=True, stable=True).indices[:, :n]
-        keep = keep.sort(dim=-1).values  # [B, n] candidate order: parents before children
-        new_id = torch.full_like(parent, -1).scatter_(
-            1, keep, torch.arange(n, device=device).expand(B, n)
-        )
-        kept_parent = parent.gather(1, keep)
-        parents = torch.where(kept_parent >= 0, new_id.gather(1, kept_parent.clamp_min(0)), -1)
-        kept = ids.gather(1, keep)
-        node_tokens = kept if self.vocab_ids is None else self.vocab_ids[kept]
+            prev_hidden, prev_slots = h, slots
+            return self.model.logits(h, self.head).float().log_softmax(-1)  # [B, k, V_draft]
+
+        ids, parents = dynamic_tree(logp, expand, depth, tree.top_k, tree.num_nodes)
+        node_tokens = ids if self.vocab_ids is None else self.vocab_ids[ids]
         return DraftTree(node_tokens, parents, None)
 
     @torch.no_grad()
