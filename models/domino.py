@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from models.dflash import DFlashDraft, check_layers, draft_sizes, init_from_target
+from models.dflash import DFlashDraft, check_layers, draft_sizes, draft_vocab, init_from_target
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
 
@@ -50,7 +50,6 @@ class DominoDraft(DFlashDraft):
     def __init__(
         self,
         *args,
-        vocab_size: int,
         gru_hidden_size: int = 256,
         correction_size: int = 256,
         lambda_start: float = 1.0,
@@ -63,13 +62,18 @@ class DominoDraft(DFlashDraft):
                 f"lambda_start={lambda_start}, decay_ratio={decay_ratio}: both must lie in "
                 "[0, 1] (the base-loss weight and the share of training it decays over)"
             )
+        if self.target_vocab_size is None:
+            raise ValueError(
+                "DominoDraft needs target_vocab_size (its correction head maps to the "
+                "vocabulary); build it with models.domino.from_target"
+            )
         H = self.config.hidden_size
         self.lambda_start, self.decay_ratio = lambda_start, decay_ratio
         self.prefix_gru = nn.GRU(H, gru_hidden_size, num_layers=1, batch_first=True, bias=False)
         self.correction = nn.Sequential(
             nn.Linear(H + gru_hidden_size, correction_size, bias=False),
             nn.SiLU(),
-            nn.Linear(correction_size, vocab_size, bias=False),
+            nn.Linear(correction_size, self.draft_vocab_size or self.target_vocab_size, bias=False),
         )
         nn.init.zeros_(self.correction[2].weight)  # a fresh Domino drafts as its DFlash
         self.base_loss_weight = 0.0  # set by set_progress; schedule state, not a weight
@@ -102,7 +106,7 @@ class DominoDraft(DFlashDraft):
         positions, z = self.train_blocks(target, input_ids, target_out, attention_mask, loss_mask)
         B, N, P, _ = z.shape
         T = input_ids.shape[1]
-        base = self.logits(z[:, :, 1:], target.lm_head.weight)  # [B, N, P-1, V]
+        base = self.logits(z[:, :, 1:], self.head_weight(target.lm_head.weight))  # [B, N, P-1, V]
         # Teacher forcing: block position i reads x_{t+1}..x_{t+i}. Past the sequence end the
         # tokens are clamped (those positions are past T and never trained).
         t = positions.clamp_min(0)
@@ -120,13 +124,14 @@ class DominoDraft(DFlashDraft):
             offset_weights=self.offset_weights(),
             base_logits=list(base.unbind(2)) if weight > 0 else None,
             base_loss_weight=weight,
-            extras={"base_loss_weight": torch.tensor(weight)},
+            vocab_ids=self.vocab_ids,
+            extras={"base_loss_weight": torch.tensor(weight), **self.vocab_extras()},
         )
 
 
 def from_target(
     target: Target,
-    token_counts: Tensor | None = None,  # unused: Domino predicts over the full vocabulary
+    token_counts: Tensor | None = None,  # [V] training label counts: the reduced vocabulary
     block_size: int = 8,
     num_layers: int = 1,
     layers: list[int] | None = None,
@@ -137,6 +142,7 @@ def from_target(
     correction_size: int = 256,
     lambda_start: float = 1.0,
     decay_ratio: float = 0.5,
+    vocab_size: int | str = "full",
 ) -> DominoDraft:
     """A Domino draft sized from `target`: models.dflash.from_target's arguments, plus the
     correction head's GRU state size and projection width, and the curriculum (base-loss
@@ -148,11 +154,11 @@ def from_target(
         block_size=block_size,
         num_anchors=num_anchors,
         gamma=gamma,
-        vocab_size=target.vocab_size,
+        **draft_vocab(target, vocab_size),
         gru_hidden_size=gru_hidden_size,
         correction_size=correction_size,
         lambda_start=lambda_start,
         decay_ratio=decay_ratio,
     )
-    init_from_target(draft, target)
+    init_from_target(draft, target, token_counts)
     return draft.to(device=target.device)

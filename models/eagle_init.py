@@ -23,7 +23,7 @@ def build_vocab_map(
 ) -> tuple[Tensor, Tensor]:
     """The `size` most frequent target ids (ties -> lower id; `always_keep` forced in, e.g.
     EOS), sorted by id. Returns d2t [size] long (target id = i + d2t[i]) and t2d [V] bool."""
-    counts = token_counts.detach().flatten().double().cpu()
+    counts = token_counts.detach().flatten().double().cpu().clone()  # never the caller's
     vocab = counts.numel()
     if not 0 < size <= vocab:
         raise ValueError(f"draft vocab size must be in 1..{vocab} (target vocab), got {size}")

@@ -23,6 +23,7 @@ from models import dflash, domino
 from models.domino import DominoDraft, base_loss_weight
 from models.protocol import DraftOutput
 from models.target import TargetOutput
+from models.target_loaders import build_tiny_random
 from tests.test_spec import N_SINGLE, P_THRESHOLD, exact_triples, g_test, make_target, prompt_ids
 from train.export import refuse
 from train.export_checks import ExportError
@@ -33,6 +34,10 @@ from train.step_stats import offset_losses, stats_size
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("dflash", "domino")
+# The decoding tests run each kind over the target's whole head and over a reduced draft
+# vocabulary (48 of the tiny target's 128 ids: draft ids map to target ids, q is scattered
+# back to the full vocabulary).
+VARIANTS = [pytest.param(k, v, id=f"{k}-{v}") for v in ("full", 48) for k in KINDS]
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +45,20 @@ def target():
     return make_target()  # varied greedy text: an off-by-one shows
 
 
-def build(target, kind, seed=0, correction=False, **kw):
+def seeded_counts(seed=3):
+    """Label counts for a reduced vocabulary: random, so the draft ids are scattered over
+    the target's."""
+    return torch.rand(128, generator=torch.Generator().manual_seed(seed))
+
+
+def build(target, kind, seed=0, correction=False, vocab="full", counts=None, **kw):
     """A fresh draft; `correction=True` gives Domino's zero-initialised W2 random values so
-    that the correction head shows in what is compared."""
+    that the correction head shows in what is compared. `vocab`: "full" or a reduced
+    vocabulary size, built from `counts` (seeded random counts by default)."""
     torch.manual_seed(seed)
     kw = {"block_size": 5, "num_anchors": None, **kw}
+    if vocab != "full":
+        kw |= {"vocab_size": vocab, "token_counts": seeded_counts() if counts is None else counts}
     if kind == "dflash":
         return dflash.from_target(target, **kw)
     draft = domino.from_target(target, gru_hidden_size=32, correction_size=32, **kw)
@@ -121,6 +135,64 @@ def test_contract_offsets_weights_anchors_and_state_dict(target, kind):
     fresh.load_state_dict(draft.state_dict(), strict=True)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_reduced_vocabulary_is_the_target_heads_rows_saved_and_checked(target, kind):
+    """vocab_size=N keeps the N most frequent trained ids (EOS forced in), ascending; the
+    block's logits over them equal a full-vocabulary draft's at those ids (same weights,
+    Domino's W2 rows scattered: the head is the target's rows, nothing new to train);
+    vocab_ids travels in the state dict; a vocabulary never built is refused by training and
+    by the drafter, with the fix in the message."""
+    counts = seeded_counts()
+    draft = build(target, kind, correction=True, vocab=48)
+    ids = draft.vocab_ids
+    assert ids.shape == (48,) and bool((ids.diff() > 0).all())
+    assert set(target.eos_token_ids) <= set(ids.tolist())
+    inside = torch.zeros(128, dtype=torch.bool)
+    inside[ids] = True
+    others = inside.clone()
+    others[target.eos_token_ids] = False  # forced in whatever its count
+    assert float(counts[others].min()) >= float(counts[~inside].max())
+    full = build(target, kind, vocab="full")
+    state = {k: v for k, v in draft.state_dict().items() if k != "vocab_ids"}
+    if kind == "domino":
+        w2 = torch.zeros(128, 32)
+        w2[ids] = state["correction.2.weight"]
+        state["correction.2.weight"] = w2
+    full.load_state_dict(state, strict=True)
+    x = torch.randint(6, 128, (2, 10), generator=torch.Generator().manual_seed(2))
+    out_t = target(x, hidden_layers=draft.hidden_layers)
+    with torch.no_grad():
+        reduced, whole = draft(target, x, out_t), full(target, x, out_t)
+    assert torch.equal(reduced.vocab_ids, ids) and whole.vocab_ids is None
+    for r, w in zip(reduced.logits, whole.logits, strict=True):
+        assert r.shape[-1] == 48
+        torch.testing.assert_close(r, w[..., ids])
+    coverage = float(reduced.extras["vocab_coverage"])
+    assert coverage == pytest.approx(float(counts[ids].sum() / counts.sum()))
+    # Reload: a draft built without counts has no vocabulary until the state dict brings it.
+    sizes = {} if kind == "dflash" else dict(gru_hidden_size=32, correction_size=32)
+    module = dflash if kind == "dflash" else domino
+    unbuilt = module.from_target(target, block_size=5, num_anchors=None, vocab_size=48, **sizes)
+    with pytest.raises(ValueError, match="no valid vocab_ids.*vocab_size=full"):
+        make_drafter(unbuilt, target)
+    with pytest.raises(ValueError, match="no valid vocab_ids"):
+        unbuilt(target, x, out_t)
+    unbuilt.load_state_dict(draft.state_dict(), strict=True)
+    with torch.no_grad():
+        for a, b in zip(unbuilt(target, x, out_t).logits, reduced.logits, strict=True):
+            assert torch.equal(a, b)
+    for bad in (0, "half", 1.5):
+        with pytest.raises(ValueError, match="vocab_size"):
+            module.from_target(target, vocab_size=bad, **sizes)
+    # The caller's counts are left alone (float64 on the CPU once got EOS's count set to inf).
+    counts64 = counts.double()
+    module.from_target(target, vocab_size=48, token_counts=counts64, **sizes)
+    assert torch.equal(counts64, counts.double())
+    other = build_tiny_random(vocab_size=256, device="cpu")  # ids would map to other tokens
+    with pytest.raises(ValueError, match="target vocabulary of 128 ids"):
+        make_drafter(draft, other)
+
+
 def test_anchors_sit_on_answer_tokens_when_given_the_loss_mask(target):
     """Given the batch's loss mask (the loop passes it), a block is anchored only where its
     anchor x_{t+1} is an answer token (loss_mask[t] = 1), as decoding anchors its first block
@@ -151,19 +223,21 @@ def test_anchors_sit_on_answer_tokens_when_given_the_loss_mask(target):
 
 
 # -- block position i is trained at offset i --------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
-def test_block_position_i_learns_the_token_at_offset_i_and_decodes_it(target, kind):
+@pytest.mark.parametrize("kind,vocab", VARIANTS)
+def test_block_position_i_learns_the_token_at_offset_i_and_decodes_it(target, kind, vocab):
     """Trained through the training step's own pairing (train/step_stats.py) on the target's
     greedy continuation of one prompt, block position i at anchor t must give the target's
     argmax at position t + i (= x_{t+1+i}); an off-by-one anywhere (offsets, anchor, the
     context it reads) teaches the neighbour token instead. Then the drafter decodes the same
-    text back with tau near block_size."""
+    text back with tau near block_size, as a chain and as a dynamic tree (with a reduced
+    vocabulary: only if every draft id is mapped back to its target id, parents included)."""
     P = 5
     prompt = prompt_ids(target, "hello there")
     cont = generate(target, prompt, None, max_new_tokens=40, eos_token_ids=[]).sequences[0]
     ids = torch.cat([prompt, torch.tensor([cont])], 1)  # [1, T]
     assert len(set(cont)) >= 10  # varied text: the neighbour token is a different one
-    draft = build(target, kind, block_size=P)
+    counts = torch.bincount(ids.flatten(), minlength=128).float()  # the vocab covers the text
+    draft = build(target, kind, block_size=P, vocab=vocab, counts=counts)
     out_t = target(ids, hidden_layers=draft.hidden_layers)
     opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
     for _ in range(250):
@@ -172,16 +246,22 @@ def test_block_position_i_learns_the_token_at_offset_i_and_decodes_it(target, ki
         loss.backward()
         opt.step()
     greedy = out_t.logits.argmax(-1)[0]  # [T]: the target's next token after each position
-    logits = block_logits(draft.eval(), target, ids)[0]  # [T-1, P-1, V]
+    logits = block_logits(draft.eval(), target, ids)[0]  # [T-1, P-1, V_draft]
+    to_target = torch.arange(128) if draft.vocab_ids is None else draft.vocab_ids
     start = prompt.shape[1] - 1  # anchors in the continuation
     for i in range(1, P):
         t = torch.arange(start, ids.shape[1] - i)
-        hit = (logits[t, i - 1].argmax(-1) == greedy[t + i]).float().mean()
+        hit = (to_target[logits[t, i - 1].argmax(-1)] == greedy[t + i]).float().mean()
         assert hit >= 0.9, f"block position {i}: {hit:.2f}"
     res = generate(target, prompt, make_drafter(draft, target), k=P - 1, max_new_tokens=40,
                    eos_token_ids=[])  # fmt: skip
     assert res.sequences[0] == cont
     assert res.tau >= P - 1, f"tau {res.tau:.2f}"  # a fresh draft: about 1
+    tree = TreeSpec(kind="dynamic", depth=P - 1, top_k=2, num_nodes=8)
+    res = generate(target, prompt, make_drafter(draft, target), tree=tree, max_new_tokens=40,
+                   eos_token_ids=[])  # fmt: skip
+    assert res.sequences[0] == cont
+    assert res.tau >= P - 1, f"tree tau {res.tau:.2f}"
 
 
 # -- nothing leaks into a block --------------------------------------------------------------
@@ -214,15 +294,16 @@ def test_a_block_reads_no_later_token_and_no_later_feature(target, kind):
 
 
 # -- train/decode parity ---------------------------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
-def test_training_blocks_equal_the_drafters_q(target, kind):
+@pytest.mark.parametrize("kind,vocab", VARIANTS)
+def test_training_blocks_equal_the_drafters_q(target, kind, vocab):
     """Driven as decoding/spec.py drives it (prefill, rounds of propose(k) and commit(n) with
     the target's features over the kept positions), the drafter's q at T = 1 equals the
     training forward's block at the same anchor over the same text (its drafts teacher-forced
     for Domino), at every block position, two rows."""
-    draft = build(target, kind, correction=True).eval()
+    draft = build(target, kind, correction=True, vocab=vocab).eval()
     drafter = make_drafter(draft, target)
     assert isinstance(drafter, DominoDrafter if kind == "domino" else DFlashDrafter)
+    ids = torch.arange(128) if draft.vocab_ids is None else draft.vocab_ids  # draft id -> target id
     layers, sampling = draft.hidden_layers, Sampling(temperature=1.0)
     gen, rng = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
     committed = torch.randint(6, 128, (2, 5), generator=rng)
@@ -233,11 +314,13 @@ def test_training_blocks_equal_the_drafters_q(target, kind):
         context = torch.cat([committed, last[:, None]], 1)
         t = context.shape[1] - 2  # block after x_0..x_t, anchor x_{t+1} = last
         seq = torch.cat([context, drafts], 1)
-        train = block_logits(draft, target, seq)[:, t]  # [B, P-1, V]
+        train = block_logits(draft, target, seq)[:, t]  # [B, P-1, V_draft]
         torch.testing.assert_close(
-            train[:, :k].log_softmax(-1), q.log(), atol=1e-5, rtol=1e-5,
+            train[:, :k].log_softmax(-1), q[..., ids].log(), atol=1e-5, rtol=1e-5,
             msg=lambda m, t=t: f"anchor {t}: {m}",
         )  # fmt: skip
+        assert q.shape[-1] == 128 and torch.isin(drafts, ids).all()  # target ids, target width
+        torch.testing.assert_close(q.sum(-1), torch.ones(2, k))  # nothing outside the vocab
         correction = torch.randint(6, 128, (2,), generator=rng)
         kept = torch.cat([context, drafts[:, :n]], 1)
         out = target(kept, hidden_layers=layers)
@@ -247,9 +330,9 @@ def test_training_blocks_equal_the_drafters_q(target, kind):
 
 
 # -- lossless decoding -----------------------------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
-def test_greedy_equals_target_greedy_chains_and_trees(target, kind):
-    draft = build(target, kind, correction=True)
+@pytest.mark.parametrize("kind,vocab", VARIANTS)
+def test_greedy_equals_target_greedy_chains_and_trees(target, kind, vocab):
+    draft = build(target, kind, correction=True, vocab=vocab)
     drafter = make_drafter(draft, target)
     ids = prompt_ids(target, "write a poem about the sea")
     ar = generate(target, ids, None, max_new_tokens=24, eos_token_ids=[])
@@ -319,12 +402,12 @@ def test_a_left_padded_row_drafts_as_if_alone(target, kind):
         last = torch.tensor([72, 72])
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_each_draft_is_drawn_from_the_q_it_returns(target, kind):
+@pytest.mark.parametrize("kind,vocab", VARIANTS)
+def test_each_draft_is_drawn_from_the_q_it_returns(target, kind, vocab):
     """Verification is lossless only if draft i was drawn from the q_i returned with it
     (given the drafts before it). 4000 identical rows draft at once: among the rows that
     drafted the same d_1..d_{i-1}, q_i is one distribution, and d_i's counts must fit it."""
-    drafter = make_drafter(build(target, kind, correction=True), target)
+    drafter = make_drafter(build(target, kind, correction=True, vocab=vocab), target)
     ids = prompt_ids(target, "hello there").expand(4000, -1)
     drafter.prefill(ids, target(ids, hidden_layers=drafter.hidden_layers))
     sampling = Sampling(temperature=2.0, top_p=0.95)  # a fresh draft is peaked: spread it
@@ -359,27 +442,28 @@ def close_drafts(target):
     loss_mask = torch.zeros_like(seqs)
     loss_mask[:, ids.shape[1] - 1 :] = 1  # the positions that predict the continuation
     out_t = target(seqs, hidden_layers=build(target, "dflash").hidden_layers)
+    counts = torch.bincount(seqs.flatten(), minlength=128).float()  # the vocab covers the text
     drafts = {}
-    for kind in KINDS:
-        draft = build(target, kind)
+    for kind, vocab in [(k, v) for v in ("full", 48) for k in KINDS]:
+        draft = build(target, kind, vocab=vocab, counts=counts)
         opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
         for _ in range(60):
             loss, _, _ = step_loss(draft(target, seqs, out_t), out_t.logits, seqs, loss_mask)
             opt.zero_grad()
             loss.backward()
             opt.step()
-        drafts[kind] = draft.eval()
+        drafts[kind, vocab] = draft.eval()
     return drafts
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_sampling_matches_target_distribution(target, close_drafts, kind):
+@pytest.mark.parametrize("kind,vocab", VARIANTS)
+def test_sampling_matches_target_distribution(target, close_drafts, kind, vocab):
     """G-test of the first three tokens against the exact distribution (tests/test_spec.py),
     one row per call: rounds accept 0, 1 or 2 drafts."""
     sampling = Sampling(temperature=1.0)
     ids = prompt_ids(target, "hello there")
     table = exact_triples(target, ids, sampling, min_p=5 / N_SINGLE)
-    drafter = make_drafter(close_drafts[kind], target)
+    drafter = make_drafter(close_drafts[kind, vocab], target)
     gen = torch.Generator().manual_seed(0)
     samples, accepts = [], []
     for _ in range(N_SINGLE):
@@ -445,9 +529,11 @@ def test_step_at_sampled_anchors_pairs_like_the_dense_layout_and_keeps_means(tar
     torch.testing.assert_close(stats_p[8:12] / counts_p, torch.ones(4))  # top-1
 
 
-def test_loop_trains_domino_with_its_curriculum(tmp_path, monkeypatch):
+@pytest.mark.parametrize("vocab", ["full", 64])
+def test_loop_trains_domino_with_its_curriculum(tmp_path, monkeypatch, vocab):
     """Two steps of the real loop on the tiny target (debug experiment): the draft is told
-    its progress before each step, the records are finite, the checkpoint reloads."""
+    its progress before each step, the records are finite, the checkpoint reloads (a
+    reduced vocabulary built from the data's counts, and reloaded with the checkpoint)."""
     from train.checkpoint import load_draft
     from train.loop import run
 
@@ -470,6 +556,7 @@ def test_loop_trains_domino_with_its_curriculum(tmp_path, monkeypatch):
                 "+experiment=debug", f"run_dir={run_dir}", "draft=domino", "decode.k=3",
                 "~draft.model.init", "draft.model.block_size=4", "draft.model.num_anchors=8",
                 "draft.model.gru_hidden_size=16", "draft.model.correction_size=16",
+                f"draft.model.vocab_size={vocab}",
             ],
         )  # fmt: skip
     run(cfg)
@@ -485,10 +572,16 @@ def test_loop_trains_domino_with_its_curriculum(tmp_path, monkeypatch):
         logged = sum(w * x for w, x in zip(weights, rec["loss_per_offset"], strict=True))
         assert rec["loss"] == pytest.approx(logged, rel=1e-5)
     assert any(x["kind"] == "eval" and x["tau"] >= 1.0 for x in lines)
-    from models.target_loaders import build_tiny_random
 
-    loaded = load_draft(run_dir / "checkpoints" / "step_00000002", build_tiny_random(device="cpu"))
+    tiny = build_tiny_random(device="cpu")
+    loaded = load_draft(run_dir / "checkpoints" / "step_00000002", tiny)
     assert isinstance(loaded, DominoDraft) and loaded.block_size == 4
+    if vocab == "full":
+        assert loaded.vocab_ids is None
+    else:  # the run's vocabulary, not the -1 placeholder of a draft built without counts
+        assert loaded.vocab_ids.shape == (64,) and bool((loaded.vocab_ids.diff() > 0).all())
+        assert set(tiny.eos_token_ids) <= set(loaded.vocab_ids.tolist())
+        make_drafter(loaded, tiny)  # passes check_vocab
 
 
 # -- refusals --------------------------------------------------------------------------------
@@ -500,6 +593,10 @@ def test_loop_trains_domino_with_its_curriculum(tmp_path, monkeypatch):
         (["decode=tree_static"], "cannot draft decode.tree.kind=static"),
         (["replay.enabled=true"], "set replay.enabled=false"),
         (["draft=domino", "draft.model.block_size=4", "decode.k=4"], "draft=domino block"),
+        (
+            ["loss=ce", "loss.labels=data"],
+            r"draft.model.vocab_size=8192\) cannot .*vocab_size=full",
+        ),
     ],
 )
 def test_startup_checks_refuse_what_a_block_cannot_draft(overrides, message):

@@ -52,11 +52,12 @@ LOOKED_FOR = (
 )
 # The draft.model setting that decides a tensor's presence, then its shape (first match).
 COUNT_HINTS = {"adapted.": "medusa2 / lora_rank", "lora_": "lora_rank", "out.": "head_init",
-               "d2t": "vocab_size", "t2d": "vocab_size",
+               "d2t": "vocab_size", "t2d": "vocab_size", "vocab_ids": "vocab_size",
                "blocks.": "num_heads / num_layers", "depths.": "num_depths",
                "lm_head": "train_head", "layers.": "num_layers"}  # fmt: skip
 SHAPE_HINTS = {"lora_": "lora_rank", "mlp.": "intermediate_size", "d2t": "vocab_size",
                "self_attn.": "num_heads / num_kv_heads", "t2d": "vocab_size",
+               "vocab_ids": "vocab_size", "correction.2": "vocab_size",
                "lm_head": "vocab_size"}  # fmt: skip
 # HF config fields that change a draft LM's maths without changing any tensor's shape.
 HF_MATHS = ("model_type", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",

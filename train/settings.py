@@ -65,6 +65,13 @@ def check_loss_and_optim(cfg: DictConfig) -> None:
         raise ValueError(f"loss.temperature must be > 0, got {cfg.loss.temperature}")
     if cfg.loss.get("labels", "target") not in ("target", "data"):
         raise ValueError(f"loss.labels must be 'target' or 'data', got {cfg.loss.labels!r}")
+    vocab = cfg.get("draft", {}).get("model", {}).get("vocab_size", "full")
+    if cfg.loss.get("labels", "target") == "data" and vocab != "full":
+        raise ValueError(
+            f"loss.labels=data trains on the data's tokens, which a reduced draft vocabulary "
+            f"(draft.model.vocab_size={vocab}) cannot always predict; set "
+            "draft.model.vocab_size=full, or loss.labels=target"
+        )
     oc = cfg.optim
     # AdamW checks lr, betas, eps and weight_decay; a one-element tensor stands in for the draft.
     _named(

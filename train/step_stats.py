@@ -100,7 +100,11 @@ def _rows_at(x: Tensor, off: int, index: Tensor | None) -> Tensor:
     the sequence) [B, N, ...]."""
     if index is None:
         return x[:, off:]
-    return x.gather(1, index.view(*index.shape, *(1,) * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
+    # Whole rows by flat index: a row copy per pair, where gather over an expanded [B, N, V]
+    # index does per-element index arithmetic (63 ms vs a few ms for 4 x 72 rows of 49,152).
+    B, T = x.shape[:2]
+    flat = (index + T * torch.arange(B, device=index.device)[:, None]).reshape(-1)  # [B*N]
+    return x.reshape(B * T, *x.shape[2:]).index_select(0, flat).view(*index.shape, *x.shape[2:])
 
 
 def offset_losses(out, target_logits, batch, offsets, counts, loss_fn, temperature, cfg, stats):

@@ -41,11 +41,22 @@ from models.target import Target, TargetOutput
 
 class DFlashDrafter:
     def __init__(self, model: DFlashDraft, target: Target):
+        model.check_vocab()  # refuse a reduced vocabulary that was never built or loaded
+        if model.target_vocab_size not in (None, target.vocab_size):
+            raise ValueError(
+                f"this {type(model).__name__} was built for a target vocabulary of "
+                f"{model.target_vocab_size} ids, the target has {target.vocab_size}: its draft ids "
+                "would map to the wrong tokens; use the target it was trained on"
+            )
         self.model = model.eval()
         self.hidden_layers = model.hidden_layers
         self.vocab_size = target.vocab_size  # full target vocabulary (the decoder checks it)
         self.embed = target.embed_tokens
-        self.head = target.lm_head.weight.detach()  # [V, H], frozen
+        with torch.no_grad():  # [V_draft, H]: the target's head rows, gathered once
+            self.head = model.head_weight(target.lm_head.weight).detach()
+        # [V_draft] draft id -> target id; None = full. Read once with the head rows: a
+        # drafter serves the vocabulary its model had when it was built.
+        self.vocab_ids = model.vocab_ids
         self.kv: list[tuple[Tensor, Tensor]] | None = None
         self.pending: Tensor | None = None
         self.length = 0  # cache slots
@@ -98,25 +109,39 @@ class DFlashDrafter:
         h = self._block(last_tokens, "propose")  # [B, P, H]
         return self._draw(h, last_tokens, k, sampling, generator)
 
+    def to_target(self, ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (the same with the full vocabulary)."""
+        return ids if self.vocab_ids is None else self.vocab_ids[ids]
+
+    def full_q(self, q: Tensor) -> Tensor:
+        """q over the draft vocabulary [..., V_draft] -> over the target's [..., V] (zero
+        outside the draft vocabulary: verification's residual covers those tokens)."""
+        if self.vocab_ids is None:
+            return q
+        full = q.new_zeros(*q.shape[:-1], self.vocab_size)
+        full[..., self.vocab_ids] = q
+        return full
+
     def _draw(
         self, h: Tensor, last_tokens: Tensor, k: int, sampling: Sampling, generator
     ) -> tuple[Tensor, Tensor | None]:
         """Drafts 1..k from block positions 1..k, each drawn from its own q."""
-        logits = self.model.logits(h[:, 1 : k + 1], self.head)  # [B, k, V]
+        logits = self.model.logits(h[:, 1 : k + 1], self.head)  # [B, k, V_draft]
         if sampling.greedy:
-            return logits.argmax(-1), None
-        q = sampling_probs(logits, sampling)  # [B, k, V] float32, the verifier's transform
+            return self.to_target(logits.argmax(-1)), None
+        q = sampling_probs(logits, sampling)  # [B, k, V_draft] float32, the verifier's transform
         B, _, V = q.shape
-        tokens = torch.multinomial(q.reshape(-1, V), 1, generator=generator).view(B, k)
-        return tokens, q
+        choice = torch.multinomial(q.reshape(-1, V), 1, generator=generator).view(B, k)
+        return self.to_target(choice), self.full_q(q)
 
     def _child_logp(
         self, h: Tensor, d: int, parents: Tensor, states: Tensor | None
     ) -> tuple[Tensor, Tensor | None]:
-        """Log-probabilities [B, m, V] of the token at block position d + 1 below each of
-        `parents` [B, m] (tree nodes at depth d; the root `last` at d = 0). DFlash's do not
-        depend on the parent; Domino's do, through `states` (decoding/drafters/domino.py)."""
-        logits = self.model.logits(h[:, d + 1], self.head)  # [B, V]
+        """Log-probabilities [B, m, V_draft] of the token at block position d + 1 below each
+        of `parents` [B, m] (target ids of tree nodes at depth d; the root `last` at d = 0).
+        DFlash's do not depend on the parent; Domino's do, through `states`
+        (decoding/drafters/domino.py)."""
+        logits = self.model.logits(h[:, d + 1], self.head)  # [B, V_draft]
         logp = logits.float().log_softmax(-1)[:, None]
         return logp.expand(-1, parents.shape[1], -1), None
 
@@ -151,11 +176,12 @@ class DFlashDrafter:
             if prev_state is not None:
                 G = prev_state.shape[-1]
                 beam_state = prev_state.gather(1, beam_parent[..., None].expand(-1, -1, G))
-            logp, prev_state = self._child_logp(h, d, beam_ids, beam_state)  # [B, k, V]
+            parents = self.to_target(beam_ids)  # [B, k] target ids
+            logp, prev_state = self._child_logp(h, d, parents, beam_state)  # [B, k, V_draft]
             return logp
 
         ids, parents = dynamic_tree(logp[:, 0], expand, depth, tree.top_k, tree.num_nodes)
-        return DraftTree(ids, parents, None)
+        return DraftTree(self.to_target(ids), parents, None)
 
     @torch.no_grad()
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:

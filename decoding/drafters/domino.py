@@ -26,22 +26,23 @@ class DominoDrafter(DFlashDrafter):
     ) -> tuple[Tensor, Tensor | None]:
         model = self.model
         z = h[:, 1 : k + 1]  # [B, k, H]
-        base = model.logits(z, self.head)  # [B, k, V]
+        base = model.logits(z, self.head)  # [B, k, V_draft]
         state, prev = None, last_tokens
         tokens, qs = [], []
         for i in range(k):
             s = model.prefix_states(self.embed(prev)[:, None], state)  # [B, 1, G]
             state = s.transpose(0, 1)  # [1, B, G]: the GRU's state after prev
-            logits = model.corrected(base[:, i], z[:, i], s[:, 0])  # [B, V]
+            logits = model.corrected(base[:, i], z[:, i], s[:, 0])  # [B, V_draft]
             if sampling.greedy:
-                prev = logits.argmax(-1)
+                choice = logits.argmax(-1)
             else:
-                q = sampling_probs(logits, sampling)  # [B, V] float32
-                prev = torch.multinomial(q, 1, generator=generator)[:, 0]
+                q = sampling_probs(logits, sampling)  # [B, V_draft] float32
+                choice = torch.multinomial(q, 1, generator=generator)[:, 0]
                 qs.append(q)
+            prev = self.to_target(choice)  # [B] target ids: the next GRU input
             tokens.append(prev)
         drafted = torch.stack(tokens, dim=1)  # [B, k]
-        return drafted, (torch.stack(qs, dim=1) if qs else None)
+        return drafted, (self.full_q(torch.stack(qs, dim=1)) if qs else None)
 
     def _child_logp(
         self, h: Tensor, d: int, parents: Tensor, states: Tensor | None
@@ -53,5 +54,5 @@ class DominoDrafter(DFlashDrafter):
         init = None if states is None else states.reshape(1, B * m, -1)
         s = model.prefix_states(self.embed(parents).reshape(B * m, 1, -1), init).view(B, m, -1)
         z = h[:, d + 1][:, None].expand(B, m, -1)  # [B, m, H]
-        base = model.logits(h[:, d + 1], self.head)[:, None].expand(B, m, -1)  # [B, m, V]
+        base = model.logits(h[:, d + 1], self.head)[:, None].expand(B, m, -1)  # [B, m, V_draft]
         return model.corrected(base, z, s).float().log_softmax(-1), s
