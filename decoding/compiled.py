@@ -1,7 +1,7 @@
 """The compiled decoding path (`decode.compile=true`; docs/fastpath.md).
 
 Eager decoding of a small target is bound by per-operator overhead, not by reading the
-weights (SmolLM2-135M on 2 CPU cores: 37 ms per 1-token forward, ~7 ms of weight traffic).
+weights (the figures for SmolLM2-135M on 2 CPU cores, with their commands: docs/fastpath.md).
 This path removes it without touching the loops of decoding/spec.py and decoding/tree.py:
 
   - `CompiledTarget` wraps a `Target` and is called exactly like one. Its KV cache is a
@@ -23,8 +23,8 @@ This path removes it without touching the loops of decoding/spec.py and decoding
 
 Modes (`decode.compile_mode`): `auto` (reduce-overhead on CUDA, max-autotune-no-cudagraphs
 on CPU), torch.compile's `default`, `reduce-overhead`, `max-autotune`,
-`max-autotune-no-cudagraphs`, and `aot_eager` (no code generation: traces and checks guards
-in seconds, for tests).
+`max-autotune-no-cudagraphs`, and `aot_eager` (no code generation: only traces and checks
+guards, quick enough for tests).
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def _backend(mode: str, freeze: bool) -> Callable:
     if mode == "aot_eager":
         inner = torch._dynamo.lookup_backend("aot_eager")
     else:
-        # Imported here, as only code-generating modes need it: the import costs ~2 s, paid by
-        # every eager decode and the aot_eager tests otherwise.
+        # Imported here, as only code-generating modes need it: the import is slow, and every
+        # eager decode and the aot_eager tests would pay for it otherwise.
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 

@@ -17,8 +17,9 @@ draft kind lives in decoding/drafters/ (`make_drafter` picks it for a trained dr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -41,6 +42,22 @@ class Drafter(Protocol):
     # Target hidden layers (HF hidden_states indices, -1 = last after norm) the decoder must
     # return from every target forward; () for drafters that need none.
     hidden_layers: tuple[int, ...]
+    # The target vocabulary its q covers (the decoder checks it against the target's);
+    # None for a drafter with no vocabulary of its own (prompt lookup).
+    vocab_size: int | None
+
+    # What a drafter of a trained draft kind declares (decoding/drafters: DRAFTERS), read by
+    # the start-up checks before any model is loaded (train/settings.py):
+    # the decode.tree.kind values its `propose_tree` drafts (() = chains only),
+    tree_kinds: ClassVar[tuple[str, ...]]
+    # whether its draft can train on the positions an on-policy rollout picks (train/replay.py),
+    replayable: ClassVar[bool]
+
+    @staticmethod
+    def max_draft_tokens(model_settings: Mapping[str, Any]) -> int | None:
+        """The most tokens one round drafts (chain k or tree depth) for a draft built with
+        `model_settings` (conf draft.model); None = no limit."""
+        ...
 
     def prefill(
         self, input_ids: Tensor, target_out: TargetOutput, attention_mask: Tensor | None = None

@@ -111,7 +111,7 @@ def check_inputs(
                 "prompts must be LEFT-padded (the last column of attention_mask must "
                 "be 1); set tokenizer.padding_side = 'left'"
             )
-    vocab = getattr(drafter, "vocab_size", None)
+    vocab = None if drafter is None else drafter.vocab_size  # None: plain AR decoding
     if vocab is not None and vocab != target.vocab_size:
         raise ValueError(
             f"the drafter's vocabulary has {vocab} entries but the target's has "
@@ -159,8 +159,9 @@ def prefill(
 
     sync(device)
     t_start = time.perf_counter()
-    # The head only at the last prompt position: a full-prompt head costs ~1.75 ms per token
-    # on SmolLM2, and a 1-row head rounds (bf16) like transformers' own generate.
+    # The head only at the last prompt position: the full-vocabulary head is a large share of
+    # a token's cost on SmolLM2 (docs/design.md §5), and a 1-row head rounds (bf16) like
+    # transformers' own generate.
     out = target(
         input_ids,
         attention_mask=attn,

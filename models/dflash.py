@@ -36,10 +36,11 @@ rows with fewer anchors) and the training step gathers the target there
 (train/step_stats.py). `num_anchors=None` takes every candidate.
 
 Frozen pieces from the target at call time: the embedding (the anchor token) and the output
-head. Trained: fc, hidden_norm, the layers, norm (initialised from the target's final norm)
-and `mask_embedding`, the one input vector of every mask position (DFlash uses a spare
-token id of the target's vocabulary; a learned vector needs none). Domino (models/domino.py)
-adds a causal correction head to this backbone.
+head (with a reduced vocabulary, models/vocab.py: its rows at the draft ids `vocab_ids`).
+Trained: fc, hidden_norm, the layers, norm (initialised from the target's final norm) and
+`mask_embedding`, the one input vector of every mask position (DFlash uses a spare token id
+of the target's vocabulary; a learned vector needs none). Domino (models/domino.py) adds a
+causal correction head to this backbone.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from models.eagle_init import build_vocab_map
+from models import vocab
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
 
@@ -154,6 +155,8 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
+    kind = "dflash"
+
     def __init__(
         self,
         hidden_size: int,
@@ -189,13 +192,6 @@ class DFlashDraft(nn.Module):
             raise ValueError(f"gamma={gamma}: the position weights exp(-(i-1)/gamma) need > 0")
         if not hidden_layers:
             raise ValueError("a DFlash draft reads at least one target layer (hidden_layers)")
-        if draft_vocab_size is not None and not (
-            target_vocab_size and 0 < draft_vocab_size < target_vocab_size
-        ):
-            raise ValueError(
-                f"draft_vocab_size={draft_vocab_size}: a reduced draft vocabulary needs "
-                f"0 < size < the target's vocabulary ({target_vocab_size}); use null for the whole head"
-            )
         self.hidden_layers = tuple(hidden_layers)
         self.block_size, self.num_anchors, self.gamma = block_size, num_anchors, gamma
         self.config = LlamaConfig(
@@ -216,13 +212,8 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(self.config) for _ in range(num_layers))
         self.norm = LlamaRMSNorm(H, eps=rms_norm_eps)  # before the shared head
         self.mask_embedding = nn.Parameter(torch.zeros(H))  # every mask position's input
-        # Reduced draft vocabulary (EAGLE-3's d2t): draft id i is target id vocab_ids[i],
-        # ascending; -1 until built from the training data's token counts (set_vocab) or
-        # loaded with a checkpoint. The head is the target's rows for those ids, never saved.
-        ids = None if draft_vocab_size is None else torch.full((draft_vocab_size,), -1)
-        self.register_buffer("vocab_ids", ids)
         self.target_vocab_size, self.draft_vocab_size = target_vocab_size, draft_vocab_size
-        self.vocab_coverage = 1.0  # share of the trained label tokens inside the draft vocab
+        vocab.attach(self, "ids", draft_vocab_size, target_vocab_size)  # vocab_ids [N] or None
         # inv_freq is a non-persistent buffer; decoding copies go through
         # models.dtypes.cast_keep_rotary, which keeps it float32.
         self.rotary = LlamaRotaryEmbedding(self.config)
@@ -267,50 +258,14 @@ class DFlashDraft(nn.Module):
             x = layer(x, cos, sin, ctx_k, ctx_v, ctx_mask)
         return self.norm(x)  # [B, N, P, H]
 
-    # -- vocabulary ----------------------------------------------------------------------
-    def set_vocab(self, token_counts: Tensor, always_keep: list[int] = ()) -> None:
-        """Keep the draft_vocab_size most frequent target ids of `token_counts` [V] (the
-        training data's label counts; `always_keep`: EOS) and record their coverage."""
-        if self.vocab_ids is None:
-            raise ValueError(
-                "set_vocab on a draft with the full vocabulary (draft_vocab_size=None)"
-            )
-        counts = token_counts.detach().flatten().double().cpu()
-        if counts.numel() != self.target_vocab_size:
-            raise ValueError(
-                f"token_counts has {counts.numel()} entries, the target vocab {self.target_vocab_size}"
-            )
-        d2t, t2d = build_vocab_map(counts, self.vocab_ids.numel(), always_keep)
-        self.vocab_ids.copy_(d2t + torch.arange(d2t.numel()))
-        self.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1.0))
-
-    def check_vocab(self) -> None:
-        """Refuse a reduced vocabulary that was never built or loaded, or is inconsistent."""
-        ids = self.vocab_ids
-        if ids is None:
-            return
-        if not (ids.min() >= 0 and ids.max() < self.target_vocab_size and (ids.diff() > 0).all()):
-            raise ValueError(
-                f"{type(self).__name__} with a reduced vocabulary of {ids.numel()} tokens has no "
-                "valid vocab_ids. Build it from the training data (from_target(..., token_counts="
-                "prepared.token_counts)), load a checkpoint that holds vocab_ids, or set "
-                "draft.model.vocab_size=full."
-            )
-
-    def head_weight(self, target_head: Tensor) -> Tensor:
-        """The target's head [V, H] -> the rows the draft predicts over [V_draft, H]."""
-        if self.vocab_ids is None:
-            return target_head
-        return target_head.index_select(0, self.vocab_ids.to(target_head.device))
-
     def logits(self, h: Tensor, head_weight: Tensor) -> Tensor:
-        """Normed hidden [..., H] -> logits [..., V] through the target's frozen head.
+        """Normed hidden [..., H] -> logits [..., V] through the target's frozen head
+        (`head_weight`: its rows at the draft vocabulary, models.vocab.head_rows).
 
         Flattened to 2D first: the callers pass slices of the block (h[:, :, 1:]) whose
         leading dims do not fold into one, and torch.matmul then broadcasts the head to a
-        batched matmul, copying the whole [H, V] head once per batch entry (57 ms instead of
-        4.6 ms for one decoding block on SmolLM2's 49,152 x 576 head; 1.6 s instead of 34 ms
-        for 2 x 16 training blocks)."""
+        batched matmul, copying the whole [H, V] head once per batch entry (docs/design.md
+        §6, "A head over a slice")."""
         flat = h.to(head_weight.dtype).reshape(-1, h.shape[-1])  # copies the small side only
         return F.linear(flat, head_weight).view(*h.shape[:-1], head_weight.shape[0])
 
@@ -354,7 +309,7 @@ class DFlashDraft(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """The training pass: sampled block positions t [B, N] (-1 = padding) and their
         blocks' normed hidden [B, N, block_size, H] (anchor x_{t+1} at position t+1)."""
-        self.check_vocab()
+        vocab.require(self)  # the mapping was checked when built or loaded
         B, T = input_ids.shape
         if T < 2:
             raise ValueError(f"sequence length {T}: a block needs an anchor after a context")
@@ -381,6 +336,13 @@ class DFlashDraft(nn.Module):
         ctx_mask = (keys[None, None, :] <= t[..., None]) & real[:, None, :]  # [B, N, T]
         return positions, self.blocks(anchor_embeds, t + 1, kv, ctx_mask)
 
+    def set_progress(self, progress: float) -> None:
+        """No schedule of its own: training progress changes nothing here."""
+
+    def decoding_target(self, target: Target) -> Target:
+        """The decoder verifies with the frozen target itself."""
+        return target
+
     def forward(
         self,
         target: Target,
@@ -390,29 +352,22 @@ class DFlashDraft(nn.Module):
         loss_mask: Tensor | None = None,  # [B, T]: anchors only where x_{t+1} is trained
     ) -> DraftOutput:
         positions, h = self.train_blocks(target, input_ids, target_out, attention_mask, loss_mask)
-        logits = self.logits(h[:, :, 1:], self.head_weight(target.lm_head.weight))  # [B, N, P-1, V]
+        head = vocab.head_rows(target.lm_head.weight, self.vocab_ids)  # [V_draft, H]
+        logits = self.logits(h[:, :, 1:], head)  # [B, N, P-1, V_draft]
         return DraftOutput(
             logits=list(logits.unbind(2)),
             offsets=list(range(1, self.block_size)),
             positions=positions,
             offset_weights=self.offset_weights(),
             vocab_ids=self.vocab_ids,
-            extras=self.vocab_extras(),
+            extras=vocab.extras(self),
         )
-
-    def vocab_extras(self) -> dict[str, Tensor]:
-        if self.vocab_ids is None:
-            return {}
-        return {"vocab_coverage": torch.tensor(self.vocab_coverage)}
 
 
 def draft_vocab(target: Target, vocab_size: int | str) -> dict:
     """`vocab_size` ("full" or N) -> the constructor's vocabulary arguments."""
-    if vocab_size == "full" or (isinstance(vocab_size, int) and vocab_size >= target.vocab_size):
-        return dict(target_vocab_size=target.vocab_size, draft_vocab_size=None)
-    if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size > 0:
-        return dict(target_vocab_size=target.vocab_size, draft_vocab_size=vocab_size)
-    raise ValueError(f"vocab_size must be 'full' or a positive int, got {vocab_size!r}")
+    size = vocab.reduced_size(vocab_size, target.vocab_size)
+    return dict(target_vocab_size=target.vocab_size, draft_vocab_size=size)
 
 
 def draft_sizes(target: Target, intermediate_size: int | None) -> dict:
@@ -454,7 +409,7 @@ def init_from_target(draft: DFlashDraft, target: Target, token_counts: Tensor | 
     features) and the mask vector at the size of a target embedding row; build a reduced
     vocabulary from `token_counts` (without them it must come from a checkpoint)."""
     if draft.vocab_ids is not None and token_counts is not None:
-        draft.set_vocab(token_counts, target.eos_token_ids)
+        vocab.build(draft, token_counts, target.eos_token_ids)
     with torch.no_grad():
         draft.norm.weight.copy_(target.final_norm_weight)
         std = target.embed_tokens.weight.float().std()

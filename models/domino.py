@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from models import vocab
 from models.dflash import DFlashDraft, check_layers, draft_sizes, draft_vocab, init_from_target
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
@@ -47,6 +48,8 @@ def base_loss_weight(progress: float, lambda_start: float = 1.0, decay_ratio: fl
 
 
 class DominoDraft(DFlashDraft):
+    kind = "domino"
+
     def __init__(
         self,
         *args,
@@ -106,7 +109,8 @@ class DominoDraft(DFlashDraft):
         positions, z = self.train_blocks(target, input_ids, target_out, attention_mask, loss_mask)
         B, N, P, _ = z.shape
         T = input_ids.shape[1]
-        base = self.logits(z[:, :, 1:], self.head_weight(target.lm_head.weight))  # [B, N, P-1, V]
+        head = vocab.head_rows(target.lm_head.weight, self.vocab_ids)  # [V_draft, H]
+        base = self.logits(z[:, :, 1:], head)  # [B, N, P-1, V_draft]
         # Teacher forcing: block position i reads x_{t+1}..x_{t+i}. Past the sequence end the
         # tokens are clamped (those positions are past T and never trained).
         t = positions.clamp_min(0)
@@ -125,7 +129,7 @@ class DominoDraft(DFlashDraft):
             base_logits=list(base.unbind(2)) if weight > 0 else None,
             base_loss_weight=weight,
             vocab_ids=self.vocab_ids,
-            extras={"base_loss_weight": torch.tensor(weight), **self.vocab_extras()},
+            extras={"base_loss_weight": torch.tensor(weight), **vocab.extras(self)},
         )
 
 

@@ -24,6 +24,7 @@ from models.target import Target, TargetOutput
 
 
 class DraftLM(nn.Module):
+    kind = "draft_lm"
     hidden_layers: tuple[int, ...] = ()  # a standalone LM reads no target features
 
     def __init__(self, model: PreTrainedModel):
@@ -34,12 +35,20 @@ class DraftLM(nn.Module):
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
+    def set_progress(self, progress: float) -> None:
+        """No schedule of its own: training progress changes nothing here."""
+
+    def decoding_target(self, target: Target) -> Target:
+        """The decoder verifies with the frozen target itself."""
+        return target
+
     def forward(
         self,
         target: Target,
         input_ids: Tensor,  # [B, T]
         target_out: TargetOutput,
         attention_mask: Tensor | None = None,  # [B, T]
+        loss_mask: Tensor | None = None,  # unused: every position trains
     ) -> DraftOutput:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return DraftOutput(logits=[out.logits], offsets=[0])  # [B, T, V]
@@ -143,7 +152,7 @@ def from_target(
                 model.get_output_embeddings().requires_grad_(False)
     model = model.float().to(target.device)
     if lora_rank > 0:
-        # peft only for LoRA drafts: importing it costs seconds, which other drafts never pay.
+        # peft only for LoRA drafts: its import is slow, and other drafts never need it.
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(

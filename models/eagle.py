@@ -22,7 +22,7 @@ EAGLE-1 (`style="eagle1"`, draft=eagle1):
   feature_loss_weight * SmoothL1(h, f_{t+1}).
 Parameter names follow the served state_dict: `fc`, `layers.0.{input_layernorm, hidden_norm,
 self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}`, `norm`,
-`lm_head` (train_head only), `d2t`, `t2d` (train/export_eagle.py writes and reads them).
+`lm_head` (train_head only), `d2t`, `t2d` (train/formats/ writes and reads them).
 
 Tap scale (EAGLE-3). The taps are pre-norm residual streams whose sizes differ per layer
 (SmolLM2, per-token RMS away from position 0: 3.0 / 6.7 / 21 at hidden_states 2 / 15 / 27;
@@ -47,19 +47,18 @@ drafted, so the training graph and the decoder see the same attention pattern. W
 with HF's DynamicCache (keys of all steps concatenated, [B, kv, (s+1)T, D]) and a boolean
 mask [B, 1, T, (s+1)T]: causal block for step 0, identity blocks for steps 1..s.
 
-Reduced vocabulary (EAGLE-3): the draft predicts over the N most frequent trained target
-tokens (`token_counts` from the data, EOS always kept), sorted by target id. Buffers
-`d2t` [N] (offsets: target id = i + d2t[i]) and `t2d` [V] (bool: in the draft vocab) are
-built from the data, saved in `state_dict()` and applied when drafting. A reduced
-vocabulary with no mapping (no `token_counts` and no checkpoint loaded) is refused at
-first use. `vocab_size="full"` keeps the full head.
+Reduced vocabulary (EAGLE-3; models/vocab.py, "offsets" layout): the draft predicts over
+the N most frequent trained target tokens. Buffers `d2t` [N] (target id = i + d2t[i]) and
+`t2d` [V] (bool: in the draft vocab) are built from the data's `token_counts` or loaded
+with a checkpoint, checked once then, and refused at first use when neither happened.
+`vocab_size="full"` keeps the full head.
 
 Frozen pieces: embedding and output head are read from `target` at call time (not trained,
 not in the checkpoint); the reduced head is the target's lm_head rows at the draft ids.
 `train_head=True` gives a trained copy of those rows instead. The layer's config copies
 hidden size, heads, intermediate size, rope settings and max_position_embeddings from the
-target. The default taps, tap scale, vocabulary map and identity init are in
-models/eagle_init.py; the decoder's drafter is decoding/drafters/eagle.py.
+target. The default taps, tap scale and identity init are in models/eagle_init.py, the
+vocabulary map in models/vocab.py; the decoder's drafter is decoding/drafters/eagle.py.
 """
 
 from __future__ import annotations
@@ -75,12 +74,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from models.eagle_init import (
-    build_vocab_map,
-    default_eagle3_layers,
-    identity_init,
-    measure_tap_scale,
-)
+from models import vocab
+from models.eagle_init import default_eagle3_layers, identity_init, measure_tap_scale
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
 
@@ -130,6 +125,8 @@ class EagleLayer(nn.Module):
 
 
 class EagleDraft(nn.Module):
+    kind = "eagle"
+
     def __init__(
         self,
         hidden_size: int,
@@ -199,16 +196,10 @@ class EagleDraft(nn.Module):
         # shift every rotary angle; the rotary module casts inv_freq per call anyway.
         self.__dict__["rotary"] = LlamaRotaryEmbedding(self.config)
         self.lm_head = nn.Linear(H, self.draft_vocab_size, bias=False) if train_head else None
-        self.mapping_ready = not self.reduced_vocab
-        if self.reduced_vocab:
-            d2t, t2d = (
-                torch.zeros(self.draft_vocab_size, dtype=torch.long),
-                torch.zeros(target_vocab_size, dtype=torch.bool),
-            )
-            self.register_buffer("d2t", d2t)
-            self.register_buffer("t2d", t2d)
-            self.register_load_state_dict_post_hook(_check_loaded_mapping)
-        self.vocab_coverage = 1.0  # share of trained label tokens inside the draft vocab
+        # d2t / t2d, vocab_ready, vocab_coverage (models/vocab.py)
+        vocab.attach(
+            self, "offsets", draft_vocab_size if self.reduced_vocab else None, target_vocab_size
+        )
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         old = sorted({key.split(".")[0] for key in state_dict} & set(PRE_SERVED_KEYS))
@@ -220,56 +211,16 @@ class EagleDraft(nn.Module):
             )
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    # -- vocabulary --------------------------------------------------------------
-    def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(
-                f"d2t/t2d shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not match the draft "
-                f"({tuple(self.d2t.shape)}/{tuple(self.t2d.shape)})"
-            )
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.check_mapping()
-
-    def check_mapping(self) -> None:
-        """Refuse a reduced vocabulary whose d2t/t2d was never built or loaded, or is inconsistent."""
-        if not self.reduced_vocab:
-            return
-        ids = self.vocab_ids()
-        self.mapping_ready = bool(
-            int(self.t2d.sum()) == self.draft_vocab_size
-            and ids.min() >= 0
-            and ids.max() < self.target_vocab_size
-            and bool(self.t2d[ids].all())
-            and bool((ids[1:] > ids[:-1]).all())
-        )
-        if not self.mapping_ready:
-            raise ValueError(
-                f"EAGLE draft with a reduced vocabulary of {self.draft_vocab_size} tokens has no valid "
-                "d2t/t2d mapping. Build it from the training data (from_target(..., token_counts="
-                "prepared.token_counts)), or load a checkpoint whose state_dict holds d2t/t2d, or "
-                "set draft.model.vocab_size=full."
-            )
-
+    # -- vocabulary (models/vocab.py) ----------------------------------------------
     def vocab_ids(self) -> Tensor | None:
         """Draft id -> target id [V_draft] long (None for the full vocabulary)."""
-        if not self.reduced_vocab:
-            return None
-        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def target_to_draft(self, target_ids: Tensor) -> Tensor:
-        """Target ids -> draft ids; -1 where a target id is outside the draft vocabulary."""
-        if not self.reduced_vocab:
-            return target_ids
-        draft_ids = self.t2d.long().cumsum(0) - 1  # ids are sorted, so rank = draft id
-        return torch.where(self.t2d[target_ids], draft_ids[target_ids], -1)
+        return vocab.draft_ids(self)
 
     def head_weight(self, target: Target) -> Tensor:
         """[V_draft, H]: the trained head, or the target's frozen lm_head rows at the draft ids."""
         if self.lm_head is not None:
             return self.lm_head.weight
-        weight = target.lm_head.weight
-        return weight if not self.reduced_vocab else weight[self.vocab_ids().to(weight.device)]
+        return vocab.head_rows(target.lm_head.weight, self.vocab_ids())
 
     # -- the blocks shared by training and drafting --------------------------------
     def fuse_features(self, hidden: dict[int, Tensor]) -> Tensor:
@@ -313,14 +264,22 @@ class EagleDraft(nn.Module):
         return F.linear(h, head_weight.to(h.dtype))
 
     # -- training ----------------------------------------------------------------------
+    def set_progress(self, progress: float) -> None:
+        """No schedule of its own: training progress changes nothing here."""
+
+    def decoding_target(self, target: Target) -> Target:
+        """The decoder verifies with the frozen target itself."""
+        return target
+
     def forward(
         self,
         target: Target,
         input_ids: Tensor,  # [B, T]
         target_out: TargetOutput,
         attention_mask: Tensor | None = None,  # [B, T]
+        loss_mask: Tensor | None = None,  # unused: every position trains
     ) -> DraftOutput:
-        self.check_mapping()
+        vocab.require(self)  # the mapping was checked when built or loaded
         B, T = input_ids.shape
         n = self.ttt_steps
         device = input_ids.device
@@ -348,13 +307,11 @@ class EagleDraft(nn.Module):
             )  # [B, T, H]
             hiddens.append(feature)
             all_logits.append(self.logits(feature, head))  # [B, T, V_draft]
-        aux, extras = None, {}
+        aux, extras = None, vocab.extras(self)
         if self.feature_loss_weight > 0:
             aux = self.feature_loss(hiddens, target_out.hidden[-1], valid)
             extras["feature_loss"] = aux.detach()
             aux = self.feature_loss_weight * aux
-        if self.reduced_vocab:
-            extras["vocab_coverage"] = torch.tensor(self.vocab_coverage)
         return DraftOutput(
             logits=all_logits,
             offsets=list(range(1, n + 1)),
@@ -377,11 +334,6 @@ class EagleDraft(nn.Module):
             m = valid[:, s + 1 :].float()
             losses.append((err * m).sum() / m.sum().clamp_min(1.0))
         return torch.stack(losses).mean()
-
-
-def _check_loaded_mapping(module: EagleDraft, incompatible_keys) -> None:
-    if not incompatible_keys.missing_keys:
-        module.check_mapping()
 
 
 def ttt_attention_mask(valid: Tensor, steps: int) -> Tensor:
@@ -426,12 +378,7 @@ def from_target(
         raise ValueError(
             f"layers {bad} out of range: the target has hidden_states 0..{target.num_layers} (-1 = last)"
         )
-    if vocab_size == "full" or (isinstance(vocab_size, int) and vocab_size >= target.vocab_size):
-        draft_vocab = None
-    elif isinstance(vocab_size, int) and vocab_size > 0:
-        draft_vocab = vocab_size
-    else:
-        raise ValueError(f"vocab_size must be 'full' or a positive int, got {vocab_size!r}")
+    draft_vocab = vocab.reduced_size(vocab_size, target.vocab_size)
     rope = target.rope_kwargs()
     rope_parameters = rope.get("rope_parameters") or {
         "rope_type": "default",
@@ -456,14 +403,7 @@ def from_target(
         train_head=train_head,
     )
     if draft.reduced_vocab and token_counts is not None:
-        if token_counts.numel() != target.vocab_size:
-            raise ValueError(
-                f"token_counts has {token_counts.numel()} entries, the target vocab {target.vocab_size}"
-            )
-        d2t, t2d = build_vocab_map(token_counts, draft_vocab, target.eos_token_ids)
-        draft.set_vocab_map(d2t, t2d)
-        counts = token_counts.double().cpu()
-        draft.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1.0))
+        vocab.build(draft, token_counts, target.eos_token_ids)
     with torch.no_grad():  # start from the target's own output geometry
         if style == "eagle3":
             draft.tap_scale.copy_(measure_tap_scale(target, draft.hidden_layers))
@@ -471,11 +411,5 @@ def from_target(
         if init == "identity":
             identity_init(draft.fc, draft.hidden_layers, draft.layers[0], style)
         if draft.lm_head is not None:
-            draft.lm_head.weight.copy_(_target_rows(draft, target))
+            draft.lm_head.weight.copy_(vocab.head_rows(target.lm_head.weight, draft.vocab_ids()))
     return draft.to(device=target.device)
-
-
-def _target_rows(draft: EagleDraft, target: Target) -> Tensor:
-    weight = target.lm_head.weight.detach()
-    ids = draft.vocab_ids()
-    return weight if ids is None else weight[ids.to(weight.device)]

@@ -1,7 +1,7 @@
 """How a fresh EAGLE draft (models/eagle.py) starts from its target: the default taps of
-EAGLE-3, their fixed input scale, the reduced draft vocabulary built from the training data
-(d2t/t2d), and the identity init that makes a new head predict roughly the target's own
-next token."""
+EAGLE-3, their fixed input scale, and the identity init that makes a new head predict
+roughly the target's own next token. Its reduced draft vocabulary (d2t/t2d) is built by
+models/vocab.py."""
 
 from __future__ import annotations
 
@@ -16,23 +16,6 @@ def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
     residual stream entering layers 2, L/2, L-3), the taps vLLM and SGLang capture when a
     draft names none. SmolLM2 (L=30): (2, 15, 27)."""
     return (min(2, num_layers), max(num_layers // 2, 1), max(num_layers - 3, 1))
-
-
-def build_vocab_map(
-    token_counts: Tensor, size: int, always_keep: list[int] = ()
-) -> tuple[Tensor, Tensor]:
-    """The `size` most frequent target ids (ties -> lower id; `always_keep` forced in, e.g.
-    EOS), sorted by id. Returns d2t [size] long (target id = i + d2t[i]) and t2d [V] bool."""
-    counts = token_counts.detach().flatten().double().cpu().clone()  # never the caller's
-    vocab = counts.numel()
-    if not 0 < size <= vocab:
-        raise ValueError(f"draft vocab size must be in 1..{vocab} (target vocab), got {size}")
-    counts[list(always_keep)] = float("inf")
-    keep = torch.argsort(counts, descending=True, stable=True)[:size]
-    target_ids = keep.sort().values  # [size]
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[target_ids] = True
-    return target_ids - torch.arange(size), t2d
 
 
 def measure_tap_scale(target: Target, layers: tuple[int, ...], seed: int = 0) -> Tensor:

@@ -12,8 +12,9 @@ Why shared is the default here: on SmolLM2 a copied head is 49152x576 = 28.3M pa
 so 4 copies add 113M trained parameters (0.45 GB fp32, ~1.8 GB with grads and AdamW state)
 to train a 1.3M-parameter block stack, and their weight gradients are a third of the head
 compute per step. At decode time a shared head also lets all k heads go through ONE
-[k, H] x [H, V] matmul (flat cost in bf16 on this CPU) instead of k separate ones
-(1.75 ms each). `copy` is there for paper-faithful runs and larger machines.
+[k, H] x [H, V] matmul (flat cost in bf16 on a CPU) instead of k separate ones, each a
+large share of a token's cost (docs/design.md §5). `copy` is there for paper-faithful runs
+and larger machines.
 
 Medusa-2 (`medusa2=True`): joint training with a LoRA adapter (peft) on a private copy of
 the target's backbone. The training loop keeps running the frozen original target under
@@ -22,7 +23,7 @@ next-token prediction (lm_loss_weight * KL(p_target || p_adapted) over all real 
 computed by the training step from `DraftOutput.adapted_logits`: train/step_stats.py),
 which keeps the adapted model's outputs where they were. The heads read the
 adapted hidden state. The copy's frozen base weights are dropped from `state_dict`, so a
-checkpoint holds only the heads and the LoRA matrices. At decode time `merged_target()`
+checkpoint holds only the heads and the LoRA matrices. At decode time `decoding_target()`
 gives the adapted model (LoRA merged) to verify with; verifying with the original target
 still works (the LoRA is kept close to it) but the heads then read slightly different
 features from the ones they were trained on.
@@ -60,6 +61,7 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
+    kind = "medusa"
     hidden_layers = (-1,)  # the last layer after the final norm: the input of lm_head
 
     def __init__(
@@ -129,6 +131,7 @@ class MedusaHeads(nn.Module):
         input_ids: Tensor,  # [B, T]
         target_out: TargetOutput,
         attention_mask: Tensor | None = None,  # [B, T]
+        loss_mask: Tensor | None = None,  # unused: every position trains
     ) -> DraftOutput:
         adapted_logits = None
         if self.adapted is None:
@@ -153,10 +156,15 @@ class MedusaHeads(nn.Module):
             adapted_loss_weight=self.lm_loss_weight if adapted_logits is not None else 0.0,
         )
 
+    def set_progress(self, progress: float) -> None:
+        """No schedule of its own: training progress changes nothing here."""
+
     # -- Medusa-2 at decode time --------------------------------------------------
     @torch.no_grad()
-    def merged_target(self, target: Target) -> Target:
-        """A new Target whose backbone is the adapted one with LoRA merged (Medusa-2 decoding)."""
+    def decoding_target(self, target: Target) -> Target:
+        """The target the decoder verifies with: `target` itself for Medusa-1; for Medusa-2 a
+        new Target whose backbone is the adapted one with LoRA merged, so drafts are judged
+        against (and lossless with respect to) the adapted target."""
         if self.adapted is None:
             return target
         model = copy.deepcopy(target.model)
@@ -207,7 +215,7 @@ def from_target(
     """Medusa heads sized from `target`; fresh heads reproduce the target's next-token head."""
     adapted = None
     if medusa2:
-        # peft only for Medusa-2: importing it costs seconds, which Medusa-1 never pays.
+        # peft only for Medusa-2: its import is slow, and Medusa-1 never needs it.
         from peft import LoraConfig, inject_adapter_in_model
 
         # A private copy: the loop's target stays frozen and is the teacher for the adapter.

@@ -67,6 +67,7 @@ class MTPModule(nn.Module):
 class MTP(nn.Module):
     """D MTP modules. Trained weights only; embedding and head come from the target."""
 
+    kind = "mtp"
     hidden_layers: tuple[int, ...] = (-1,)  # h^0 = the target's last hidden state (after norm)
 
     def __init__(
@@ -113,12 +114,20 @@ class MTP(nn.Module):
         weight = target.lm_head.weight
         return F.linear(module.final_norm(hidden).to(weight.dtype), weight)  # [B, L, V]
 
+    def set_progress(self, progress: float) -> None:
+        """No schedule of its own: training progress changes nothing here."""
+
+    def decoding_target(self, target: Target) -> Target:
+        """The decoder verifies with the frozen target itself."""
+        return target
+
     def forward(
         self,
         target: Target,
         input_ids: Tensor,  # [B, T]
         target_out: TargetOutput,
         attention_mask: Tensor | None = None,  # [B, T], right-padded
+        loss_mask: Tensor | None = None,  # unused: every position trains
     ) -> DraftOutput:
         B, T = input_ids.shape
         if self.num_depths >= T:

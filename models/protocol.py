@@ -56,8 +56,15 @@ class DraftOutput:
 
 @runtime_checkable
 class DraftModel(Protocol):
-    """A trainable draft. Built by `from_target(target, token_counts=None, **flat_args)`."""
+    """A trainable draft. Built by `from_target(target, token_counts=None, **flat_args)`.
 
+    Everything the training loop, the evaluation and the decoder ask of a draft is declared
+    here; none of them probes a module for optional methods. A new draft kind implements all
+    of it (most kinds: `set_progress` does nothing, `decoding_target` returns its argument)
+    and registers its drafter under `kind` (decoding/drafters/__init__.py: DRAFTERS)."""
+
+    # The kind's name: conf/draft/*.yaml's `draft.kind` and the key of its drafter.
+    kind: str
     # Target hidden layers this draft reads (indices into HF hidden_states; -1 = last,
     # after the final norm). Empty for a standalone draft LM.
     hidden_layers: tuple[int, ...]
@@ -68,9 +75,23 @@ class DraftModel(Protocol):
         input_ids: Tensor,  # [B, T]
         target_out: TargetOutput,  # the frozen target's forward over input_ids
         attention_mask: Tensor | None = None,  # [B, T]
+        loss_mask: Tensor | None = None,  # [B, T] 1 where x_{t+1} is trained
     ) -> DraftOutput:
         """Training call. Frozen pieces shared with the target (embeddings, output head,
         final norm) are read from `target` here, never stored on the module: checkpoints
         hold only trained weights, and a bf16 copy of the draft can pair with a bf16
-        copy of the target for evaluation."""
+        copy of the target for evaluation. `loss_mask` is for drafts that train at sampled
+        positions (DFlash / Domino anchors go where x_{t+1} is trained); others ignore it."""
+        ...
+
+    def set_progress(self, progress: float) -> None:
+        """Called by the training loop before every step with the share of training done,
+        in [0, 1] (steps, or seconds of a time budget): a loss schedule of the draft's own
+        (Domino's curriculum) follows it."""
+        ...
+
+    def decoding_target(self, target: Target) -> Target:
+        """The target the decoder verifies this draft's proposals with, given the frozen one
+        in the decoding dtype: `target` itself, or a draft that adapts the target (Medusa-2's
+        LoRA) returns the adapted target, against which its decoding is lossless."""
         ...

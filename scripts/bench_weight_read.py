@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models.target_loaders import build_tiny_random, load_smollm2  # noqa: E402
+from models.target_loaders import build_tiny_random, load_smollm2
 
 
 def timed(fn, repeats: int) -> list[float]:

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only (before pyplot loads); the notebook keeps its inline backend
 import matplotlib.pyplot as plt  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from train.report.plots import PLOTS  # noqa: E402
 from train.report.runs import Run, find_runs, group_keys, group_runs, summarize_group  # noqa: E402

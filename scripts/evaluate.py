@@ -1,33 +1,52 @@
 """Evaluate a trained draft checkpoint, or an imported draft, with the shared decoder.
 
+    python scripts/evaluate.py CKPT [KEY=VALUE ...] [--prompts FILE.jsonl] [--out FILE.json]
+    python scripts/evaluate.py --init-from DIR [KEY=VALUE ...] [--prompts ...] [--out ...]
+
     python scripts/evaluate.py runs/debug/seed0/checkpoints/step_00000002
-    python scripts/evaluate.py runs/eagle_tv/seed0 --tree dynamic --temperatures 0 0.7 1.0
-    python scripts/evaluate.py CKPT --prompts my_prompts.jsonl --k 6 --num-prompts 20 --out ev.json
-    python scripts/evaluate.py CKPT --target-path /models/smollm2   # the target has moved
+    python scripts/evaluate.py runs/eagle_tv/seed0 decode.k=6 'decode.temperatures=[0,0.7,1.0]'
+    python scripts/evaluate.py runs/eagle_tv/seed0 decode=tree_dynamic decode.num_prompts=24
+    python scripts/evaluate.py CKPT decode.num_prompts=20 --prompts my_prompts.jsonl --out ev.json
+    python scripts/evaluate.py CKPT target=hf target.path=/models/smollm2   # the target has moved
+    python scripts/evaluate.py CKPT target.device=cuda decode.compile=true
     python scripts/evaluate.py --init-from out/medusa +experiment=medusa_kl   # an imported draft
 
 CKPT is a `<run_dir>/checkpoints/step_N` directory written by train/checkpoint.py, or a run
-directory (its newest checkpoint). The run's `config.yaml` (two levels above the checkpoint)
-supplies the target, the data and the decode settings; the decoding flags override the
-latter. With no flag this reproduces the run's own final evaluation of that checkpoint
-exactly (same τ, α_i, acceptance histogram; only the timings, tokens/s and speedup, vary):
-both go through train.evaluate.evaluate_checkpoint, and the output has its keys
-("greedy/tau", "T0.7/alpha", ..., defined in docs/design.md), without the training proxy's.
+directory (its newest checkpoint). Its config is the run's full resolved config:
+CKPT/config.yaml, or for a checkpoint without one the run's config.yaml two levels above. It
+supplies the target, the data and the decode settings. With no override this reproduces the
+run's own final evaluation of that checkpoint exactly (same τ, α_i, acceptance histogram; only
+the timings, tokens/s and speedup, vary): both go through train.evaluate.evaluate_checkpoint,
+and the output has its keys ("greedy/tau", "T0.7/alpha", ..., defined in docs/design.md),
+without the training proxy's.
 
-`--init-from DIR` evaluates a draft saved in any format train/init_from.py reads (a
+The overrides after CKPT are written over that config in Hydra's override grammar
+(https://hydra.cc/docs/advanced/override_grammar/basic/): `decode.k=5`,
+`'decode.temperatures=[0,1.0]'` (quoted for the shell), `decode.compile=true`; `+KEY=VALUE`
+adds a key, `~KEY` deletes one. `GROUP=NAME` for a config group of conf/ (`decode=tree_dynamic`,
+`decode=tree_static`, `target=hf`) replaces the config's whole GROUP node with
+conf/GROUP/NAME.yaml as training composes it, the run's own values of that node included. As in
+Hydra, the group choices come first wherever they stand, then the keys in order
+(`decode=tree_dynamic decode.num_prompts=24`: the group's decode settings, then 24 prompts).
+The run's config is resolved, so `device=` does not reach the target: write
+`target.device=cuda`. Decode settings are checked as at the start of training
+(train.settings.check_decode).
+
+`--init-from DIR` evaluates a draft saved in any format train/formats/init_from.py reads (a
 checkpoint, or an hf / medusa / vllm-medusa / speculators / eagle export: docs/export.md,
-Import) without a run directory: the positional arguments are then Hydra overrides of
-conf/train.yaml (`+experiment=NAME`, `target=...`, `decode.k=...`), which build the target, the
-data and a draft of the right kind, and the files are loaded into that draft.
+Import) without a run directory: no CKPT, and the overrides are those of conf/train.yaml
+composed by Hydra as for training (`+experiment=NAME`, `target=...`, `decode.k=...`), which
+build the target, the data and a draft of the right kind; the files are loaded into that draft.
 
-Prompts: by default the run's held-out eval prompts, rebuilt by
-train.data.prepare.prepare_data from the run's data config (it reads the run's regeneration
-cache; a missing cache means the training prompts are answered again first). `--prompts FILE.jsonl` takes one JSON object per
-line with a "prompt" string instead, rendered as one user turn with the run's chat template
-(data.chat_template) and the generation prompt, as the eval prompts are.
+Not overrides: `--prompts FILE.jsonl` decodes a file of prompts instead of the run's held-out
+eval prompts (an input, not a setting of the run: data.* describes how the eval split was
+built). Each line is one JSON object with a "prompt" string, rendered as one user turn with the
+run's chat template (data.chat_template) and the generation prompt, as the eval prompts are.
+Without it the eval prompts are rebuilt by train.data.prepare.prepare_data from the run's data
+config (it reads the run's regeneration cache; a missing cache means the training prompts are
+answered again first). `--out FILE.json` also writes every metric.
 
-Prints progress to stderr and a table of τ, α per position and speedup vs AR to stdout;
-`--out FILE.json` also writes every metric.
+Prints progress to stderr and a table of τ, α per position and speedup vs AR to stdout.
 """
 
 from __future__ import annotations
@@ -41,35 +60,37 @@ from pathlib import Path
 import hydra.utils
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from anywhere
+from models.target import Target
+from train.checkpoint import PREFIX, latest_checkpoint, load_draft
+from train.data.chat import resolve_chat_template, tokenize_conversation
+from train.data.prepare import prepare_data
+from train.evaluate import evaluate_checkpoint, format_eval_table
+from train.formats.export import checkpoint_config, load_target
+from train.formats.init_from import init_draft_from
+from train.settings import check_decode
 
-from models.target import Target  # noqa: E402
-from train.checkpoint import PREFIX, latest_checkpoint, load_draft  # noqa: E402
-from train.data.chat import resolve_chat_template, tokenize_conversation  # noqa: E402
-from train.data.prepare import prepare_data  # noqa: E402
-from train.evaluate import evaluate_checkpoint, format_eval_table  # noqa: E402
-from train.init_from import init_draft_from  # noqa: E402
-from train.settings import check_decode  # noqa: E402
-
-TREE_SHORTHANDS = {"static": "tree_static", "dynamic": "tree_dynamic"}
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def progress(msg: str) -> None:
     print(f"[evaluate] {msg}", file=sys.stderr, flush=True)
 
 
-def find_checkpoint(path: Path) -> tuple[Path, Path]:
-    """A checkpoint directory (or a run directory: its newest checkpoint) -> (checkpoint,
-    run directory)."""
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or a run directory (its newest checkpoint)."""
     if not path.is_dir():
+        hint = " (CKPT comes first, then the overrides)" if "=" in str(path) else ""
         raise FileNotFoundError(
-            f"checkpoint {path} does not exist; give a <run_dir>/checkpoints/{PREFIX}N "
+            f"checkpoint {path} does not exist{hint}; give a <run_dir>/checkpoints/{PREFIX}N "
             "directory written by a draftlab training run, or the run directory itself"
         )
-    if not path.name.startswith(PREFIX) and (path / "config.yaml").is_file():
+    is_run = (path / "config.yaml").is_file() or (path / "checkpoints").is_dir()
+    if not (path / "draft.yaml").is_file() and is_run:
         newest = latest_checkpoint(path)
         if newest is None:
             raise FileNotFoundError(f"run directory {path} holds no checkpoint in checkpoints/")
@@ -80,74 +101,100 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
             f"{path} is not a draftlab checkpoint (no {', '.join(missing)}); give a "
             f"<run_dir>/checkpoints/{PREFIX}N directory written by train/checkpoint.py"
         )
-    run_dir = path.parent.parent
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(
-            f"no config.yaml in {run_dir}: the checkpoint must stay inside its run directory "
-            f"(<run_dir>/checkpoints/{PREFIX}N), whose config.yaml names the target and data"
-        )
-    return path, run_dir
+    return path
 
 
-def tree_node(name: str) -> DictConfig | None:
-    """The `tree` settings of decode conf `name` (conf/decode/NAME.yaml; None = chain)."""
-    name = TREE_SHORTHANDS.get(name, name)
-    if not (ROOT / "conf" / "decode" / f"{name}.yaml").is_file():
-        known = sorted(p.stem for p in (ROOT / "conf" / "decode").glob("*.yaml"))
+def parse_overrides(overrides: list[str]) -> list[Override]:
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as err:
+        raise ValueError(f"{err} (an override is KEY=VALUE, +KEY=VALUE or ~KEY)") from None
+    for override in parsed:
+        if override.is_sweep_override():
+            raise ValueError(f"{override.input_line}: one value per key here (no sweeps)")
+    return parsed
+
+
+def group_node(override: Override) -> dict:
+    """`GROUP=NAME`: the GROUP node of conf/train.yaml composed with that choice, its
+    interpolations (`${device}`) left to resolve against the config it goes into."""
+    group, name = override.key_or_group, override.value()
+    if not (CONF / group / f"{name}.yaml").is_file():
+        known = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
         raise ValueError(
-            f"--tree {name!r}: no conf/decode/{name}.yaml; use static, dynamic or one of {known}"
+            f"{override.input_line}: there is no conf/{group}/{name}.yaml; conf/{group} has {known}"
         )
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        decode = compose("train", overrides=[f"decode={name}"]).decode
-    return decode.get("tree")
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            composed = compose("train", overrides=[override.input_line])
+    except HydraException as err:
+        raise ValueError(f"{override.input_line}: {err}") from None
+    if group not in composed:
+        raise ValueError(
+            f"{override.input_line} is a recipe over the whole config, not one node of it; a "
+            "checkpoint's config already holds its own: override its keys (decode.k=5), or "
+            "compose a config from conf/ with --init-from DIR"
+        )
+    return OmegaConf.to_container(composed[group], resolve=False)
 
 
-def run_config(run_dir: Path, args: argparse.Namespace) -> DictConfig:
-    """The run's resolved config with the command line's decode/target overrides applied:
-    what train.evaluate.evaluate_checkpoint reads (cfg.decode, cfg.seed)."""
-    cfg = OmegaConf.load(run_dir / "config.yaml")
-    loader = str(cfg.target.get("_target_", ""))
-    if loader.startswith("train.target."):  # runs written before the loaders moved to models/
-        cfg.target._target_ = "models.target_loaders." + loader.removeprefix("train.target.")
-    return apply_flags(cfg, args)
+def set_key(cfg: DictConfig, override: Override) -> None:
+    """One `KEY=VALUE`, `+KEY=VALUE`, `++KEY=VALUE` or `~KEY[=VALUE]`, with Hydra's meaning."""
+    key, line, value = override.key_or_group, override.input_line, override.value()
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, throw_on_missing=False) if parent_key else cfg
+    if isinstance(parent, DictConfig):
+        exists = leaf in parent.keys()  # noqa: SIM118 (`in parent` is False for a ??? value)
+    else:
+        exists = isinstance(parent, ListConfig) and leaf.isdigit() and int(leaf) < len(parent)
+    current = OmegaConf.select(cfg, key, throw_on_missing=False) if exists else None
+    if override.is_delete():
+        if not exists:
+            raise ValueError(f"{line}: the config has no {key} to delete")
+        if value is not None and value != current:
+            raise ValueError(f"{line}: {key} is {current!r}, not {value!r}; nothing deleted")
+        with open_dict(cfg):
+            del parent[int(leaf) if isinstance(parent, ListConfig) else leaf]
+    elif override.is_add() and exists:
+        raise ValueError(
+            f"{line}: {key} is already set ({current!r}); write {key}=... to change it"
+        )
+    elif not (override.is_add() or override.is_force_add()) and not exists:
+        raise ValueError(
+            f"{line}: the config has no {key} (see the run's config.yaml); write +{line} to add it"
+        )
+    else:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
 
 
-def apply_flags(cfg: DictConfig, args: argparse.Namespace) -> DictConfig:
-    """The command line's decoding, target and device flags, written over `cfg`."""
-    dec = cfg.decode
-    for key, value in [
-        ("k", args.k),
-        ("temperatures", args.temperatures),
-        ("top_p", args.top_p),
-        ("top_k", args.top_k),
-        ("max_new_tokens", args.max_new_tokens),
-        ("num_prompts", args.num_prompts),
-        ("seed", args.seed),
-        ("dtype", args.dtype),
-        ("compile", args.compile),
-        ("compile_mode", args.compile_mode),
-    ]:
-        if value is not None:
-            dec[key] = value
-    if args.tree is not None:
-        dec.tree = tree_node(args.tree)
-    if args.target_path is not None:
-        cfg.target = {
-            "_target_": "models.target_loaders.load_hf_target",
-            "path": args.target_path,
-            "dtype": cfg.target.get("dtype", "float32"),
-            "device": cfg.target.get("device", "auto"),
-        }
-    if args.device is not None:
-        cfg.device = args.device
-        cfg.target.device = args.device
+def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """`overrides` (Hydra's grammar) written over a checkpoint's resolved config as Hydra
+    composes: the config groups' choices first, then the keys, each in command-line order."""
+    parsed = parse_overrides(overrides)
+    groups = [o for o in parsed if (CONF / o.key_or_group).is_dir()]
+    for override in groups:
+        line, group = override.input_line, override.key_or_group
+        if override.is_delete():
+            raise ValueError(f"{line}: the config cannot lose its {group}")
+        if not isinstance(override.value(), str):
+            raise ValueError(f"{line}: {group}=NAME names a file of conf/{group}/; set keys one "
+                             f"by one ({group}.KEY=VALUE)")  # fmt: skip
+        with open_dict(cfg):
+            cfg[group] = group_node(override)
+    for override in parsed:
+        if override not in groups:
+            set_key(cfg, override)
     return cfg
 
 
-def composed_config(overrides: list[str], args: argparse.Namespace) -> DictConfig:
-    """--init-from: conf/train.yaml with the command line's Hydra overrides, then its flags."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return apply_flags(compose("train", overrides=overrides), args)
+def composed_config(overrides: list[str]) -> DictConfig:
+    """--init-from: conf/train.yaml composed with the command line's Hydra overrides."""
+    parse_overrides(overrides)  # the same clear refusals as after CKPT
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("train", overrides=overrides)
+    except HydraException as err:
+        raise ValueError(str(err)) from None
 
 
 def imported_draft(cfg: DictConfig, path: Path, target: Target) -> torch.nn.Module:
@@ -196,11 +243,12 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "positional",
+        "args",
         nargs="*",
-        metavar="CKPT | OVERRIDE",
-        help=f"<run_dir>/checkpoints/{PREFIX}N, or a run directory (its newest checkpoint); "
-        "with --init-from: Hydra overrides of conf/train.yaml, e.g. +experiment=medusa_kl",
+        metavar="CKPT [KEY=VALUE ...]",
+        help=f"<run_dir>/checkpoints/{PREFIX}N, or a run directory (its newest checkpoint), then "
+        "Hydra overrides of its config (decode.k=5); with --init-from: overrides of "
+        "conf/train.yaml only (+experiment=medusa_kl)",
     )
     parser.add_argument(
         "--init-from",
@@ -217,81 +265,25 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="FILE.jsonl",
         help='.jsonl, one {"prompt": "..."} per line (default: the run\'s eval prompts)',
     )
-    group = parser.add_argument_group("decoding (default: the run's decode settings)")
-    group.add_argument(
-        "--tree",
-        default=None,
-        metavar="NAME",
-        help="static | dynamic (draft trees, docs/tree.md) | chain | any conf/decode name",
-    )
-    group.add_argument(
-        "--k", type=int, default=None, metavar="K", help="draft tokens per round (chains)"
-    )
-    group.add_argument(
-        "--temperatures",
-        type=float,
-        nargs="+",
-        default=None,
-        metavar="T",
-        help="one evaluation per temperature; 0 = greedy (e.g. --temperatures 0 0.7)",
-    )
-    group.add_argument(
-        "--top-p", type=float, default=None, metavar="P", help="applied to p and q; 1 = off"
-    )
-    group.add_argument(
-        "--top-k", type=int, default=None, metavar="N", help="applied to p and q; 0 = off"
-    )
-    group.add_argument(
-        "--max-new-tokens", type=int, default=None, metavar="N", help="new tokens per prompt"
-    )
-    group.add_argument(
-        "--num-prompts", type=int, default=None, metavar="N", help="decode the first N prompts"
-    )
-    group.add_argument(
-        "--seed", type=int, default=None, metavar="S", help="the decoder's sampling seed"
-    )
-    group.add_argument("--dtype", default=None, help="decoding dtype: bf16 | fp32 | fp16")
-    group.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also decode through the compiled path and report its speedup beside the eager "
-        "one (<tag>/compiled_*, docs/fastpath.md)",
-    )
-    group.add_argument(
-        "--compile-mode",
-        default=None,
-        metavar="MODE",
-        help="auto | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs | "
-        "aot_eager (decode.compile_mode)",
-    )
-    parser.add_argument(
-        "--target-path",
-        default=None,
-        metavar="DIR",
-        help="load the target from this HF directory or hub id instead of the run's target",
-    )
-    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: the run's)")
     parser.add_argument(
         "--out", type=Path, default=None, metavar="FILE.json", help="also write the metrics here"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     ckpt = None
     if args.init_from is not None:
-        cfg = composed_config(args.positional, args)
+        cfg = composed_config(args.args)
         progress(f"draft.init_from={args.init_from}, draft={cfg.draft.kind}")
-    elif len(args.positional) == 1:
-        ckpt, run_dir = find_checkpoint(Path(args.positional[0]))
-        cfg = run_config(run_dir, args)
-        progress(f"checkpoint {ckpt} (run {run_dir})")
+    elif args.args:
+        ckpt = find_checkpoint(Path(args.args[0]))
+        cfg = apply_overrides(checkpoint_config(ckpt), args.args[1:])
+        progress(f"checkpoint {ckpt}")
     else:
-        parser.error("give one CKPT, or --init-from DIR followed by config overrides")
-    t0 = time.perf_counter()
-    node = OmegaConf.to_container(cfg.target, resolve=True)
-    target = hydra.utils.get_method(node.pop("_target_"))(**node)
-    progress(f"target {target.name} on {target.device} ({time.perf_counter() - t0:.1f}s)")
+        parser.error("give CKPT [KEY=VALUE ...], or --init-from DIR [KEY=VALUE ...]")
     check_decode(cfg.decode)  # the same start-up checks as training (train/settings.py)
+    t0 = time.perf_counter()
+    target = load_target(cfg)
+    progress(f"target {target.name} on {target.device} ({time.perf_counter() - t0:.1f}s)")
     if args.prompts is not None:
         eval_prompts = load_prompts(args.prompts, target, cfg.data.get("chat_template"))
         source = str(args.prompts)
@@ -321,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         "speculative side by side"
     )
     t0 = time.perf_counter()
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts, cfg, proxy=None)
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts, cfg, None)  # no training record
     meta = ckpt / "meta.json" if ckpt else None  # the step, as the run's eval records carry it
     result["step"] = json.loads(meta.read_text())["step"] if meta and meta.is_file() else None
     progress(f"done in {time.perf_counter() - t0:.1f}s")

@@ -1,4 +1,4 @@
-"""Export a trained draft checkpoint in a layout a serving engine loads (train/export.py).
+"""Export a trained draft checkpoint in a layout a serving engine loads (train/formats/export.py).
 
     python scripts/export.py runs/distill_kl/seed0/checkpoints/step_00000120 --format hf --out out/draft
     python scripts/export.py CKPT --format medusa --out out/medusa           # FasterDecoding/Medusa
@@ -7,7 +7,8 @@
     python scripts/export.py CKPT --format speculators --out out/eagle3      # EAGLE-3 for vLLM
     python scripts/export.py CKPT --format eagle --out out/eagle3            # EAGLE-3: SGLang/SpecForge; EAGLE-1: vLLM
 
-CKPT is a `<run_dir>/checkpoints/step_N` directory; the run's config.yaml names the target.
+CKPT is a `<run_dir>/checkpoints/step_N` directory; its config.yaml (for an older checkpoint,
+the run's) names the target.
 Formats, what each engine needs and what is refused: docs/export.md.
 """
 
@@ -17,10 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from anywhere
-
-from train.export import FORMATS, ExportError, export, load_run_draft  # noqa: E402
+from train.formats.export import FORMATS, ExportError, export, load_run_draft
 
 
 def main(argv: list[str] | None = None) -> Path:

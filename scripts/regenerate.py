@@ -1,7 +1,7 @@
 """Build (and cache) the training data ahead of a run: answer the prompts with the target.
 
     python scripts/regenerate.py                                  # embedded target + corpus
-    python scripts/regenerate.py data=tiny target=tiny_random     # seconds, for a smoke test
+    python scripts/regenerate.py data=tiny target=tiny_random     # a smoke test
     python scripts/regenerate.py data=local data.source=chats.jsonl target=hf target.path=DIR
     python scripts/regenerate.py data.num_train=16 --samples 2   # measure tokens/s
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -22,10 +21,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from train.data.prepare import prepare_data
 
-from train.data.prepare import prepare_data  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

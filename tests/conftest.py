@@ -16,6 +16,28 @@ def tiny_target():
     return build_tiny_random(seed=0, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """tiny_target built once per test module (module-scoped fixtures build on it)."""
+    from models.target_loaders import build_tiny_random
+
+    return build_tiny_random(seed=0, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer: the converted copy, else read from the GGUF."""
+    from transformers import AutoTokenizer
+
+    from models.target_loaders import DEFAULT_CACHE_DIR, smollm2_gguf_path
+
+    converted = DEFAULT_CACHE_DIR / "smollm2-135m-instruct"
+    if (converted / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(converted))
+    gguf = smollm2_gguf_path()  # first use on a fresh machine: read it from the GGUF
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
@@ -22,8 +21,8 @@ from decoding.tree import TreeSpec, generate_tree, tree_attention_mask
 from models.target import Target
 from models.target_loaders import build_tiny_random
 from models.tiny_tokenizer import build_char_tokenizer
+from tests.helpers import TINY_CPU_RUN, compose_train, write_rows
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 SMALL = {
     "vocab_size": 128,
     "hidden_size": 64,
@@ -157,10 +156,8 @@ ARCHS = {  # qwen3 with its tokenizer's template; gemma3 as a base model (no tem
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    """Chats in a local file (the embedded corpus takes seconds to build) and the regeneration
-    cache, shared by the draft kinds: one regeneration per arch."""
-    import json
-
+    """Chats in a local file (smaller than the embedded corpus, so quicker to build) and the
+    regeneration cache, shared by the draft kinds: one regeneration per arch."""
     root = tmp_path_factory.mktemp("data")
     topics = ["rivers", "prime numbers", "bread", "the moon", "chess", "rain", "owls", "glass"]
     rows = [
@@ -168,7 +165,7 @@ def data_dir(tmp_path_factory) -> Path:
                       {"role": "assistant", "content": "Ok."}]}
         for t in topics
     ]  # fmt: skip
-    (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_rows(root / "chats.jsonl", rows)
     return root
 
 
@@ -182,17 +179,13 @@ def test_pipeline_on_other_architectures(tmp_path, data_dir, arch, kind):
     from train.loop import run
 
     overrides, tree_kind = KINDS[kind]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[
-                "target=tiny_random", "data=tiny", "logger=none", "device=cpu", "name=arch",
-                f"run_dir={tmp_path}", f"data.source={data_dir / 'chats.jsonl'}",
-                f"data.cache_dir={data_dir}", "data.num_eval=0", "data.max_new_tokens=8",
-                "train.steps=2", "train.batch_size=2", "train.ckpt_every=2",
-                "train.eval_at_ckpt=false", *ARCHS[arch], *overrides,
-            ],
-        )  # fmt: skip
+    cfg = compose_train(
+        *TINY_CPU_RUN, "name=arch",
+        f"run_dir={tmp_path}", f"data.source={data_dir / 'chats.jsonl'}",
+        f"data.cache_dir={data_dir}", "data.num_eval=0", "data.max_new_tokens=8",
+        "train.steps=2", "train.batch_size=2", "train.ckpt_every=2",
+        "train.eval_at_ckpt=false", *ARCHS[arch], *overrides,
+    )  # fmt: skip
     summary = run(cfg)
     assert summary["steps"] == 2
 

@@ -5,21 +5,31 @@ with the order rotated per repeat, and speedups paired within a repeat. Tiny ran
 import copy
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from decoding.bench import (
+    PROMPTS,
+    build_compiled,
+    hf_rounds,
+    markdown,
+    ours_method,
+    summarize,
+    tau_figures,
+    truncated_draft,
+)
 from decoding.drafter import Sampling
 from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.ngram import NgramDrafter
+from decoding.tree import TreeSpec
 from models.target_loaders import build_tiny_random
+from tests.helpers import chat_ids
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
 spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
 bd = importlib.util.module_from_spec(spec)
-sys.modules["bench_decode"] = bd  # dataclasses look their module up there
 spec.loader.exec_module(bd)
 
 
@@ -31,12 +41,7 @@ class NoMatch(NgramDrafter):
 
 
 def prompts_of(target, texts):
-    tok = target.tokenizer
-    return [
-        torch.tensor([tok.apply_chat_template([{"role": "user", "content": t}],
-                                              add_generation_prompt=True)["input_ids"]])
-        for t in texts
-    ]  # fmt: skip
+    return [torch.tensor([chat_ids(target, t)]) for t in texts]
 
 
 def untied_target():
@@ -52,29 +57,29 @@ def untied_target():
 
 
 def test_tau_figures_counts_every_forward():
-    fig = bd.tau_figures([2, 0, 0, 3], [4, 0, 0, 4])
+    fig = tau_figures([2, 0, 0, 3], [4, 0, 0, 4])
     assert fig["tau"] == pytest.approx(1 + 5 / 4)  # every verify forward
     assert fig["tau_drafted"] == pytest.approx(1 + 5 / 2)  # forwards that had drafts only
     assert (fig["verify_forwards"], fig["drafted_forwards"]) == (4, 2)
-    assert bd.tau_figures([0, 0, 0], [0, 0, 0])["tau"] == 1.0
-    assert bd.tau_figures([0, 0, 0], [0, 0, 0])["tau_drafted"] is None
-    assert bd.tau_figures([], [])["tau"] is None
+    assert tau_figures([0, 0, 0], [0, 0, 0])["tau"] == 1.0
+    assert tau_figures([0, 0, 0], [0, 0, 0])["tau_drafted"] is None
+    assert tau_figures([], [])["tau"] is None
 
 
 def test_hf_rounds_from_recorded_forwards():
     # (input length, first position) recorded from transformers 5 prompt lookup, 16-token
     # prompt, 20 new tokens: the prefill also carried 4 candidates (all rejected).
     forwards = [(20, 0), (5, 16), (2, 17), (3, 19), (5, 22), (5, 27), (5, 32)]
-    accepts, drafts, prefill_tokens = bd.hf_rounds(forwards, 16, 20)
+    accepts, drafts, prefill_tokens = hf_rounds(forwards, 16, 20)
     assert prefill_tokens == 1
     assert drafts == [4, 1, 2, 4, 4, 4]
     assert accepts == [0, 1, 2, 4, 4, 2]  # the last forward: what is left of the 20 tokens
     assert prefill_tokens + len(accepts) + sum(accepts) == 20
     # plain generate: one token per forward
     plain = [(16, 0)] + [(1, 16 + i) for i in range(19)]
-    assert bd.hf_rounds(plain, 16, 20) == ([0] * 19, [0] * 19, 1)
+    assert hf_rounds(plain, 16, 20) == ([0] * 19, [0] * 19, 1)
     with pytest.raises(RuntimeError, match="prefill"):
-        bd.hf_rounds([(5, 16)], 16, 20)
+        hf_rounds([(5, 16)], 16, 20)
 
 
 def test_ours_tau_is_tokens_per_target_forward():
@@ -84,17 +89,17 @@ def test_ours_tau_is_tokens_per_target_forward():
     ids = prompts_of(target, ["abcd abcd abcd xyz"])[0]
     calls = []
     target.model.model.register_forward_pre_hook(lambda *_: calls.append(1))
-    ngram = bd.ours_method(target, NgramDrafter(vocab_size=128), 3, Sampling(), 24, 0)
+    ngram = ours_method(target, NgramDrafter(vocab_size=128), 3, Sampling(), 24, 0)
     record = ngram(ids, 0)
-    fig = bd.tau_figures(record["accept_counts"], record["draft_lens"])
+    fig = tau_figures(record["accept_counts"], record["draft_lens"])
     assert 0 < fig["drafted_forwards"] < fig["verify_forwards"]  # both kinds of rounds
     assert fig["verify_forwards"] == len(calls) - 1
     assert fig["tau"] == pytest.approx((len(record["sequence"]) - 1) / (len(calls) - 1))
     assert fig["tau_drafted"] > fig["tau"]
 
     calls.clear()
-    never = bd.ours_method(target, NoMatch(vocab_size=128), 3, Sampling(), 24, 0)(ids, 0)
-    fig = bd.tau_figures(never["accept_counts"], never["draft_lens"])
+    never = ours_method(target, NoMatch(vocab_size=128), 3, Sampling(), 24, 0)(ids, 0)
+    fig = tau_figures(never["accept_counts"], never["draft_lens"])
     assert fig["tau"] == 1.0 and fig["tau_drafted"] is None
     assert fig["verify_forwards"] == len(calls) - 1 == len(never["sequence"]) - 1
 
@@ -105,21 +110,21 @@ def test_ours_counts_only_tokens_emitted_before_eos():
     target = untied_target()
     ids = prompts_of(target, ["hello"])[0]
     perfect = DraftLMDrafter(copy.deepcopy(target.model), target)  # accepts all k = 3
-    method = bd.ours_method(target, perfect, 3, Sampling(), 12, 0)
+    method = ours_method(target, perfect, 3, Sampling(), 12, 0)
     target.model.generation_config.eos_token_id = []
     free = method(ids, 0)["sequence"]
     assert free[2] not in free[:2]
     target.model.generation_config.eos_token_id = [free[2]]  # 2nd token of round 1's drafts
     record = method(ids, 0)
     assert record["sequence"] == free[:3]
-    fig = bd.tau_figures(record["accept_counts"], record["draft_lens"])
+    fig = tau_figures(record["accept_counts"], record["draft_lens"])
     assert record["accept_counts"] == [1] and fig["tau"] == 2.0
 
 
 def test_bench_rows_share_one_tau_definition():
     target = build_tiny_random(seed=0, device="cpu")
-    draft = bd.truncated_draft(target, 1, 0)
-    prompts = prompts_of(target, bd.PROMPTS[:2])
+    draft = truncated_draft(target, 1, 0)
+    prompts = prompts_of(target, PROMPTS[:2])
     rows = bd.bench(target, draft, prompts, prompts[0], Sampling(), 3, 12, 0, repeats=2)
     json.dumps(rows)  # the JSON payload
     by = {r["method"]: r for r in rows}
@@ -139,7 +144,7 @@ def test_bench_rows_share_one_tau_definition():
     assert by["ours_ar"]["speedup_vs_ours_ar"]["per_repeat"] == [1.0, 1.0]
     assert by["ours_spec_lm"]["tau"] > 1.0 and by["hf_assisted"]["tau"] > 1.0
     assert by["hf_assisted"]["prefill_tokens"] > calls  # its prefill forward verified drafts
-    assert "| τ (every forward) | τ drafted forwards only" in bd.markdown({"tiny": rows})
+    assert "| τ (every forward) | τ drafted forwards only" in markdown({"tiny": rows})
 
 
 def test_compiled_rows_beside_eager_ones():
@@ -148,12 +153,12 @@ def test_compiled_rows_beside_eager_ones():
     AR baselines, compile seconds apart, no graph compiled in a timed call, and the markdown's
     eager-vs-compiled table. aot_eager: traced and guarded as for inductor, no code generated."""
     target = untied_target()
-    draft = bd.truncated_draft(target, 1, 0)
-    prompts = prompts_of(target, bd.PROMPTS[:2])
+    draft = truncated_draft(target, 1, 0)
+    prompts = prompts_of(target, PROMPTS[:2])
     heads = {"eagle": bd.load_heads("eagle", "fresh", target)}
-    trees = {"dynamic": bd.TreeSpec(kind="dynamic", depth=2, top_k=2, num_nodes=4)}
+    trees = {"dynamic": TreeSpec(kind="dynamic", depth=2, top_k=2, num_nodes=4)}
     max_len = max(p.shape[1] for p in prompts) + 12
-    compiled = bd.build_compiled(target, draft, heads, trees, 3, max_len, "aot_eager")
+    compiled = build_compiled(target, draft, heads, trees, 3, max_len, "aot_eager")
     assert compiled.graphs["target chain widths (1, 4)"] == 2  # one graph per width
     rows = bd.bench(target, draft, prompts, prompts[0], Sampling(), 3, 12, 0, repeats=2,
                     heads=heads, trees=trees, compiled=compiled)  # fmt: skip
@@ -171,11 +176,11 @@ def test_compiled_rows_beside_eager_ones():
         assert comp["speedup_vs_eager"]["per_repeat"] == pytest.approx([a / b for a, b in paired])
         assert "speedup_vs_ours_ar_compiled" in eager and "speedup_vs_ours_ar" in comp
     assert by["ours_ar_compiled"]["speedup_vs_ours_ar_compiled"]["per_repeat"] == [1.0, 1.0]
-    table = bd.markdown({"tiny": rows})
+    table = markdown({"tiny": rows})
     assert "| speedup eager (vs our AR) | speedup compiled (vs our compiled AR) |" in table
     side = table.split("| speedup eager (vs our AR)")[1]  # one line per eager row with a twin
     assert "_compiled" not in side and side.count("\n| ours_") == len(twins)
-    assert "speedup compiled" not in bd.markdown({"tiny": [r for r in rows if r is by["ours_ar"]]})
+    assert "speedup compiled" not in markdown({"tiny": [r for r in rows if r is by["ours_ar"]]})
 
 
 def test_methods_interleaved_and_rotated():
@@ -203,7 +208,7 @@ def test_speedup_is_paired_within_a_repeat():
         return [[{"sequence": [0] * 10, "seconds": s, "accept_counts": [0], "draft_lens": [0],
                   "prefill_tokens": 1}] for s in seconds]  # fmt: skip
 
-    rows = bd.summarize({"ours_ar": runs_of([1, 2, 4]), "x": runs_of([0.5, 4, 1])}, greedy=False)
+    rows = summarize({"ours_ar": runs_of([1, 2, 4]), "x": runs_of([0.5, 4, 1])}, greedy=False)
     x = rows[1]
     assert x["speedup_vs_ours_ar"]["per_repeat"] == [2.0, 0.5, 4.0]
     assert (x["speedup_vs_ours_ar"]["median"], x["speedup_vs_ours_ar"]["min"]) == (2.0, 0.5)

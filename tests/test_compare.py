@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from scipy import stats as scipy_stats
 
+from tests.helpers import metrics_records
 from train.report.plots import plot_acceptance_vs_entropy
 from train.report.runs import (
     bucket_labels,
@@ -82,7 +83,7 @@ def test_sweep_writes_one_run_dir_per_job(sweep):
         assert f"loss={cfg['loss']['name']}," in d.parent.name and d.name == f"seed{cfg['seed']}"
         assert cfg["run_dir"] == str(d.relative_to(sweep.parent))
         assert (d / ".hydra" / "overrides.yaml").is_file()  # Hydra's record sits in the run dir
-        evals = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        evals = metrics_records(d)
         assert [e["step"] for e in evals if e["kind"] == "eval"] == [2, 4]
 
 

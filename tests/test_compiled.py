@@ -2,14 +2,12 @@
 target, in float32 so that compiled and eager decoding must agree token for token.
 
 Backends: `test_compiled_equals_eager_with_inductor` compiles with inductor (torch.compile's
-default mode, with the CPU default of frozen target weights; ~30 s on 2 cores) to check the
-generated code. The other tests use `aot_eager`: dynamo traces, guards and decides
-recompiles exactly as for inductor, but no code is generated, so they take seconds.
+default mode, with the CPU default of frozen target weights; the slowest test here) to check
+the generated code. The other tests use `aot_eager`: dynamo traces, guards and decides
+recompiles exactly as for inductor, but no code is generated, so they stay quick.
 """
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -25,45 +23,30 @@ from decoding.tree import TreeSpec, compact_cache, tree_attention_mask
 from decoding.verify import node_depths
 from models import dflash, draft_lm, eagle, medusa, mtp
 from models.target import Target
-from models.target_loaders import build_tiny_random
+from tests.helpers import (
+    N_SINGLE,
+    NO_EOS,
+    P_THRESHOLD,
+    V,
+    exact_triples,
+    g_test,
+    left_pad,
+    noisy_copy,
+    prompt_ids,
+    untied_target,
+)
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.settings import check_decode
-
-V = 128
-
-
-def make_target() -> Target:
-    """The tiny target with an untied random head: varied greedy text (the tied x8 head of
-    build_tiny_random mostly repeats its input)."""
-    target = build_tiny_random(seed=0, vocab_size=V, device="cpu")
-    model = target.model
-    g = torch.Generator().manual_seed(1000)
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(
-        torch.randn(V, 64, generator=g) * 0.5, requires_grad=False
-    )
-    with torch.no_grad():
-        model.get_input_embeddings().weight.div_(8.0)
-    return target
 
 
 @pytest.fixture(scope="module")
 def target() -> Target:
-    return make_target()
+    return untied_target(device="cpu")
 
 
 def prompts(n: int = 3, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, V, (1, 6 + 3 * i), generator=g) for i in range(n)]
-
-
-def noisy_copy(model: torch.nn.Module, noise: float = 0.5) -> torch.nn.Module:
-    """A draft LM that mostly agrees with the target: its head plus Gaussian noise."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(noise * torch.randn(draft.lm_head.weight.shape, generator=g))
-    return draft
 
 
 def record(result) -> tuple:
@@ -143,7 +126,7 @@ def test_no_recompile_across_rounds_of_varying_accept_counts(target):
     the token budget, n-gram proposals of any length and AR steps compile no new graph:
     every forward is padded to a width that already has one."""
     compiled = CompiledTarget(target, max_len=200, widths=(1, 5), mode="aot_eager")
-    lm = DraftLMDrafter(noisy_copy(target.model), compiled)
+    lm = DraftLMDrafter(noisy_copy(target.model, 0.5), compiled)
     ngram = NgramDrafter(vocab_size=V)
     warm = prompts(1, seed=5)[0]
     generate(compiled, warm, None, max_new_tokens=8)
@@ -195,7 +178,7 @@ def test_drafters_compiled_equal_eager(target, kind):
         if batch == 1:
             cases = [(ids, None) for ids in ids_list]
         else:  # left-padded rows: (6, 9) tokens, then (9, 12)
-            cases = [left_padded(ids_list[:2]), left_padded(ids_list[1:])]
+            cases = [left_pad(ids_list[:2], 0, "cpu"), left_pad(ids_list[1:], 0, "cpu")]
         widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
         compiled = CompiledTarget(
             target, 96, widths, make_drafter(draft, target).hidden_layers, "aot_eager",
@@ -210,16 +193,6 @@ def test_drafters_compiled_equal_eager(target, kind):
             eager = generate(target, ids, eager_drafter, **kw)
             assert record(generate(compiled, ids, compiled_drafter, **kw)) == record(eager)
         assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled after warm-up"
-
-
-def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, T_i] prompts -> left-padded ids [B, T] and attention mask [B, T] (1 = real)."""
-    width = max(p.shape[1] for p in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, p in enumerate(rows):
-        ids[b, width - p.shape[1] :], mask[b, width - p.shape[1] :] = p[0], 1
-    return ids, mask
 
 
 def eval_cfg(**decode) -> OmegaConf:
@@ -293,7 +266,7 @@ def test_cuda_graphs_equal_eager():
     graphs replayed over the static cache), decodes what the eager loop decodes, AR and with
     an EAGLE drafter, chain and dynamic tree, in fp32; after the warm-up prompt no graph is
     compiled (a new graph would also mean a new CUDA-graph recording)."""
-    target = make_target().to("cuda")
+    target = untied_target(device="cuda")
     eagle_draft, tree = draft_for("eagle_tree", target)
     eagle_draft = eagle_draft.to("cuda")
     k = 3
@@ -323,19 +296,15 @@ def test_compiled_sampling_follows_the_target_distribution():
     cache, compiled widths 1 and k+1) with a draft that disagrees often draws (t1, t2, t3) from
     the eager target's exact distribution (G-test as tests/test_spec.py, same bins), and the
     test has power: the draft's own samples are rejected."""
-    from test_spec import N_SINGLE, NO_EOS, P_THRESHOLD, exact_triples, g_test, prompt_ids
-    from test_spec import make_target as make_spec_target
-    from test_spec import noisy_copy as spec_noisy_copy
-
     from decoding.drafter import Sampling
 
-    target = make_spec_target()
+    target = untied_target()
     sampling = Sampling(temperature=1.0)
     ids = prompt_ids(target, "hello there")
     table = exact_triples(target, ids, sampling, min_p=5 / N_SINGLE)
     compiled = CompiledTarget(target, ids.shape[1] + 16, widths=(1, 3), mode="aot_eager")
     compiled.warmup()
-    draft = spec_noisy_copy(target.model, 0.5)
+    draft = noisy_copy(target.model, 0.5)
     drafter = DraftLMDrafter(draft, compiled)
     gen = torch.Generator().manual_seed(0)
     samples, accepts = [], []

@@ -118,7 +118,7 @@ def test_replay_and_medusa2_copies_keep_rotary_float32(fp32_target):
         assert inv and all(b.dtype == torch.float32 for b in inv.values())
     # Medusa-2 decodes a merged copy of the (bf16) decoding target.
     heads = draft_decode_copy(medusa(fp32_target, medusa2=True, lora_rank=2), BF16)
-    merged = heads.merged_target(decode_copy(fp32_target, BF16))
+    merged = heads.decoding_target(decode_copy(fp32_target, BF16))
     assert merged.dtype == BF16
     assert all(b.dtype == torch.float32 for b in _inv_freqs(merged.model).values())
 

@@ -1,17 +1,15 @@
 """DFlash block drafts and Domino (models/dflash.py, models/domino.py) on tiny random
-targets: the contract, block position i trained at offset i, no answer leaking into a
-block, train/decode parity, lossless greedy and sampled decoding (chains and trees),
-Domino's curriculum, the training step at sampled anchors, the loop, the export refusal."""
+targets: the contract, the reduced vocabulary, block position i trained at offset i, no
+answer leaking into a block, train/decode parity; and the drafts and helpers the other
+DFlash tests share. Decoding: tests/test_dflash_decoding.py; Domino's curriculum, the
+training step, the loop and the refusals: tests/test_dflash_training.py."""
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from scipy.stats import chi2
 
 from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
@@ -20,16 +18,11 @@ from decoding.drafters.domino import DominoDrafter
 from decoding.spec import generate
 from decoding.tree import TreeSpec
 from models import dflash, domino
-from models.domino import DominoDraft, base_loss_weight
 from models.protocol import DraftOutput
 from models.target import TargetOutput
 from models.target_loaders import build_tiny_random
-from tests.test_spec import N_SINGLE, P_THRESHOLD, exact_triples, g_test, make_target, prompt_ids
-from train.export import refuse
-from train.export_checks import ExportError
-from train.losses import forward_kl
-from train.replay import gather_stream
-from train.step_stats import offset_losses, stats_size
+from tests.test_spec import make_target, prompt_ids
+from train.step import StepSetup, StepStats, offset_losses
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,15 +83,14 @@ def loop_cfg(**train):
 
 
 def step_loss(out, target_logits, ids, loss_mask=None, cfg=None):
-    """The training step's objective and stats (train/step_stats.py), as the loop calls it."""
+    """The training step's objective and stats (train/step.py), as the loop calls it."""
     cfg = cfg or loop_cfg()
     loss_mask = torch.ones_like(ids) if loss_mask is None else loss_mask
     batch = {"input_ids": ids, "loss_mask": loss_mask}
     counts = torch.tensor([float(loss_mask[:, off:].sum()) for off in out.offsets])
-    stats = torch.zeros(stats_size(len(out.offsets), 1))
-    total = offset_losses(
-        out, target_logits, batch, out.offsets, counts, forward_kl, 1.0, cfg, stats
-    )
+    setup = StepSetup.from_config(cfg, out.offsets)
+    stats = StepStats.zeros(len(out.offsets), len(setup.samplings))
+    total = offset_losses(out, target_logits, batch, counts, setup, stats)
     return total, stats, counts
 
 
@@ -327,295 +319,3 @@ def test_training_blocks_equal_the_drafters_q(target, kind, vocab):
         kept_out = TargetOutput(None, {la: h[:, -(n + 1) :] for la, h in out.hidden.items()}, None)
         drafter.commit(n, torch.cat([drafts[:, :n], correction[:, None]], 1), kept_out)
         committed, last = kept, correction
-
-
-# -- lossless decoding -----------------------------------------------------------------------
-@pytest.mark.parametrize("kind,vocab", VARIANTS)
-def test_greedy_equals_target_greedy_chains_and_trees(target, kind, vocab):
-    draft = build(target, kind, correction=True, vocab=vocab)
-    drafter = make_drafter(draft, target)
-    ids = prompt_ids(target, "write a poem about the sea")
-    ar = generate(target, ids, None, max_new_tokens=24, eos_token_ids=[])
-    for k in (3, 9):  # 9 > block_size - 1: one block drafts 4
-        spec = generate(target, ids, drafter, k=k, max_new_tokens=24, eos_token_ids=[])
-        assert spec.sequences == ar.sequences and max(spec.draft_lens) <= 4
-    tree = TreeSpec(kind="dynamic", depth=3, top_k=3, num_nodes=8)
-    spec = generate(target, ids, drafter, tree=tree, max_new_tokens=24, eos_token_ids=[])
-    assert spec.sequences == ar.sequences
-    # Left-padded batch: row 1 a shorter prompt.
-    short = prompt_ids(target, "hi")
-    batch = torch.zeros(2, ids.shape[1], dtype=torch.long)
-    batch[0], batch[1, -short.shape[1] :] = ids[0], short[0]
-    mask = (torch.arange(ids.shape[1]) >= ids.shape[1] - short.shape[1]).long().expand(2, -1)
-    mask = torch.stack([torch.ones_like(mask[0]), mask[1]])
-    ar_b = generate(target, batch, None, max_new_tokens=16, attention_mask=mask, eos_token_ids=[])
-    for tree_b in (None, tree):
-        spec_b = generate(
-            target, batch, drafter, k=4, tree=tree_b, max_new_tokens=16, attention_mask=mask,
-            eos_token_ids=[],
-        )  # fmt: skip
-        assert spec_b.sequences == ar_b.sequences
-    with pytest.raises(ValueError, match="dynamic trees"):
-        drafter.prefill(ids, target(ids, hidden_layers=draft.hidden_layers))
-        drafter.propose_tree(ids[:, -1], TreeSpec(kind="static"), Sampling())
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_left_padded_row_drafts_as_if_alone(target, kind):
-    """decoding/spec.py pads prompts left: a padded row's context positions count real tokens
-    only and its padding is never context (garbage there changes nothing), so given the same
-    target features it drafts exactly what it drafts alone, round after round."""
-    draft = build(target, kind, correction=True).eval()
-    long, short = prompt_ids(target, "write a poem about the sea"), prompt_ids(target, "hi")
-    pad = long.shape[1] - short.shape[1]
-    batch = torch.cat([long, torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1)])
-    mask = torch.ones_like(batch)
-    mask[1, :pad] = 0
-    layers, sampling = draft.hidden_layers, Sampling(temperature=1.0)
-    both, alone = make_drafter(draft, target), make_drafter(draft, target)
-    # The same features for the row as when alone, and loud garbage in its padding slots.
-    own, first = target(short, hidden_layers=layers), target(long, hidden_layers=layers)
-    garbage = 1e3 * torch.randn(1, pad, target.hidden_size, generator=torch.Generator())
-    hidden = {
-        la: torch.cat([first.hidden[la], torch.cat([garbage, own.hidden[la]], 1)]) for la in layers
-    }
-    both.prefill(batch, TargetOutput(None, hidden, None), mask)
-    alone.prefill(short, own)
-    last, seq = torch.tensor([70, 71]), short
-    for n in (2, 1):
-        drafts, q = both.propose(last, 4, sampling, torch.Generator().manual_seed(0))
-        _, q_alone = alone.propose(last[1:], 4, sampling, torch.Generator().manual_seed(0))
-        # (Domino's q_2.. follow the drafts, which differ between the two generators.)
-        same = 4 if kind == "dflash" else 1
-        torch.testing.assert_close(q[1:, :same], q_alone[:, :same], atol=1e-6, rtol=1e-6)
-        emitted = torch.cat([drafts[:, :n], torch.tensor([[72], [72]])], 1)  # n drafts + 1
-        seq = torch.cat([seq, last[1:, None], drafts[1:, :n]], 1)
-        out = target(seq, hidden_layers=layers)
-        kept = TargetOutput(
-            None, {la: h[:, -(n + 1) :].expand(2, -1, -1) for la, h in out.hidden.items()}, None
-        )
-        kept_alone = TargetOutput(
-            None, {la: h[:, -(n + 1) :] for la, h in out.hidden.items()}, None
-        )
-        both.commit(n, emitted, kept)
-        alone.commit(n, emitted[1:], kept_alone)
-        last = torch.tensor([72, 72])
-
-
-@pytest.mark.parametrize("kind,vocab", VARIANTS)
-def test_each_draft_is_drawn_from_the_q_it_returns(target, kind, vocab):
-    """Verification is lossless only if draft i was drawn from the q_i returned with it
-    (given the drafts before it). 4000 identical rows draft at once: among the rows that
-    drafted the same d_1..d_{i-1}, q_i is one distribution, and d_i's counts must fit it."""
-    drafter = make_drafter(build(target, kind, correction=True, vocab=vocab), target)
-    ids = prompt_ids(target, "hello there").expand(4000, -1)
-    drafter.prefill(ids, target(ids, hidden_layers=drafter.hidden_layers))
-    sampling = Sampling(temperature=2.0, top_p=0.95)  # a fresh draft is peaked: spread it
-    gen = torch.Generator().manual_seed(0)
-    tokens, q = drafter.propose(torch.full((4000,), 70), 2, sampling, gen)  # [R, 2], [R, 2, V]
-    for i in range(2):
-        same = torch.ones(4000, dtype=torch.bool)  # rows sharing the most frequent d_1
-        if i == 1:
-            same = tokens[:, 0] == tokens[:, 0].mode().values
-        ref = q[same, i][0]
-        torch.testing.assert_close(q[same, i], ref.expand(int(same.sum()), -1))
-        expected = ref * int(same.sum())
-        bins = expected >= 5
-        observed = torch.bincount(tokens[same, i], minlength=128).float()
-        obs = torch.cat([observed[bins], observed[~bins].sum()[None]])
-        exp = torch.cat([expected[bins], expected[~bins].sum()[None]])
-        assert int(same.sum()) >= 500 and int(bins.sum()) >= 3
-        assert chi2.sf(float(((obs - exp) ** 2 / exp.clamp_min(1e-9)).sum()), len(obs) - 1) > 1e-3
-
-
-@pytest.fixture(scope="module")
-def close_drafts(target):
-    """One draft of each kind trained through the training step (KL) on the target's own
-    sampled continuations of the sampling test's prompt: close enough that rounds accept 0,
-    1 and 2 drafts."""
-    ids = prompt_ids(target, "hello there")
-    rows = generate(
-        target, ids.expand(8, -1), None, sampling=Sampling(temperature=1.0), max_new_tokens=6,
-        generator=torch.Generator().manual_seed(1), eos_token_ids=[],
-    ).sequences  # fmt: skip
-    seqs = torch.cat([ids.expand(8, -1), torch.tensor(rows)], 1)  # [8, T]
-    loss_mask = torch.zeros_like(seqs)
-    loss_mask[:, ids.shape[1] - 1 :] = 1  # the positions that predict the continuation
-    out_t = target(seqs, hidden_layers=build(target, "dflash").hidden_layers)
-    counts = torch.bincount(seqs.flatten(), minlength=128).float()  # the vocab covers the text
-    drafts = {}
-    for kind, vocab in [(k, v) for v in ("full", 48) for k in KINDS]:
-        draft = build(target, kind, vocab=vocab, counts=counts)
-        opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
-        for _ in range(60):
-            loss, _, _ = step_loss(draft(target, seqs, out_t), out_t.logits, seqs, loss_mask)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        drafts[kind, vocab] = draft.eval()
-    return drafts
-
-
-@pytest.mark.parametrize("kind,vocab", VARIANTS)
-def test_sampling_matches_target_distribution(target, close_drafts, kind, vocab):
-    """G-test of the first three tokens against the exact distribution (tests/test_spec.py),
-    one row per call: rounds accept 0, 1 or 2 drafts."""
-    sampling = Sampling(temperature=1.0)
-    ids = prompt_ids(target, "hello there")
-    table = exact_triples(target, ids, sampling, min_p=5 / N_SINGLE)
-    drafter = make_drafter(close_drafts[kind, vocab], target)
-    gen = torch.Generator().manual_seed(0)
-    samples, accepts = [], []
-    for _ in range(N_SINGLE):
-        out = generate(target, ids, drafter, k=2, sampling=sampling, max_new_tokens=4,
-                       generator=gen, eos_token_ids=[])  # fmt: skip
-        samples.append(tuple(out.sequences[0][:3]))
-        accepts.append(out.accept_counts[0])
-    assert {0, 1, 2} <= set(accepts), set(accepts)  # every acceptance path was exercised
-    assert g_test(samples, table) > P_THRESHOLD
-
-
-# -- Domino's curriculum ---------------------------------------------------------------------
-def test_curriculum_weight_goes_from_lambda_start_to_zero(target):
-    assert [base_loss_weight(p) for p in (0.0, 0.25, 0.5, 0.75, 1.0)] == [1.0, 0.5, 0.0, 0, 0]
-    assert base_loss_weight(0.1, lambda_start=0.8, decay_ratio=0.2) == pytest.approx(0.4)
-    draft = build(target, "domino", correction=True)
-    assert draft.base_loss_weight == 0.0  # never told its progress: the corrected loss only
-    ids = torch.randint(6, 128, (2, 12), generator=torch.Generator().manual_seed(5))
-    out_t = target(ids, hidden_layers=draft.hidden_layers)
-    assert draft(target, ids, out_t).base_logits is None
-    draft.set_progress(0.1)  # the loop calls this before every step
-    out = draft(target, ids, out_t)
-    assert out.base_loss_weight == pytest.approx(0.8) and len(out.base_logits) == 4
-    # The step's loss is (1 - w) * loss(corrected) + w * loss(backbone), position by position.
-    blended, _, _ = step_loss(out, out_t.logits, ids)
-    plain = DraftOutput(out.logits, out.offsets, positions=out.positions,
-                        offset_weights=out.offset_weights)  # fmt: skip
-    base = DraftOutput(out.base_logits, out.offsets, positions=out.positions,
-                       offset_weights=out.offset_weights)  # fmt: skip
-    final_loss = float(step_loss(plain, out_t.logits, ids)[0].detach())
-    base_loss = float(step_loss(base, out_t.logits, ids)[0].detach())
-    assert base_loss != pytest.approx(final_loss)  # the correction head is not zero
-    assert float(blended.detach()) == pytest.approx(0.2 * final_loss + 0.8 * base_loss, rel=1e-5)
-    assert draft.eval()(target, ids, out_t).base_logits is None  # evaluation: corrected only
-
-
-# -- the training step at sampled anchors -----------------------------------------------------
-def test_step_at_sampled_anchors_pairs_like_the_dense_layout_and_keeps_means(target):
-    draft = build(target, "dflash", gamma=2.0)
-    ids = torch.randint(6, 128, (2, 14), generator=torch.Generator().manual_seed(6))
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[:, 5:] = 1
-    out_t = target(ids, hidden_layers=draft.hidden_layers)
-    out = draft(target, ids, out_t)  # every position: N = T - 1
-    # The same logits laid out densely ([B, T, V], as a Medusa head's) give the same step.
-    dense = [torch.cat([x, torch.zeros(2, 1, 128)], 1) for x in out.logits]
-    dense_out = DraftOutput(dense, out.offsets, offset_weights=out.offset_weights)
-    total, stats, counts = step_loss(out, out_t.logits, ids, loss_mask)
-    total_d, stats_d, _ = step_loss(dense_out, out_t.logits, ids, loss_mask)
-    torch.testing.assert_close(total, total_d)
-    torch.testing.assert_close(stats, stats_d)
-    # The draft's position weights exp(-(i-1)/gamma) replace train.offset_decay ** (i-1).
-    per_offset = stats[:4] / counts
-    want = sum(math.exp(-i / 2.0) * per_offset[i] for i in range(4))
-    assert float(total.detach()) == pytest.approx(float(want), rel=1e-5)
-    # Sampled anchors: sums are scaled to the micro-batch's trained positions, so a draft
-    # that is exactly the target logs alpha = top-1 = 1 (not the sampled share of it).
-    few = torch.tensor([[5, 7, 9], [4, 8, -1]])  # 3 and 2 anchors in the trained region
-    at = [(few + off).clamp(0, 13)[..., None].expand(-1, -1, 128) for off in out.offsets]
-    perfect = DraftOutput([out_t.logits.gather(1, i) for i in at], out.offsets, positions=few)
-    _, stats_p, counts_p = step_loss(perfect, out_t.logits, ids, loss_mask)
-    torch.testing.assert_close(stats_p[4:8] / counts_p, torch.ones(4))  # alpha
-    torch.testing.assert_close(stats_p[8:12] / counts_p, torch.ones(4))  # top-1
-
-
-@pytest.mark.parametrize("vocab", ["full", 64])
-def test_loop_trains_domino_with_its_curriculum(tmp_path, monkeypatch, vocab):
-    """Two steps of the real loop on the tiny target (debug experiment): the draft is told
-    its progress before each step, the records are finite, the checkpoint reloads (a
-    reduced vocabulary built from the data's counts, and reloaded with the checkpoint)."""
-    from train.checkpoint import load_draft
-    from train.loop import run
-
-    seen, masks = [], []
-    original = DominoDraft.set_progress
-    monkeypatch.setattr(
-        DominoDraft, "set_progress", lambda self, p: (seen.append(p), original(self, p))
-    )
-    sample = DominoDraft.sample_anchors
-    monkeypatch.setattr(
-        DominoDraft,
-        "sample_anchors",
-        lambda self, r, m=None: (masks.append(m), sample(self, r, m))[1],
-    )
-    run_dir = tmp_path / "run"
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[
-                "+experiment=debug", f"run_dir={run_dir}", "draft=domino", "decode.k=3",
-                "~draft.model.init", "draft.model.block_size=4", "draft.model.num_anchors=8",
-                "draft.model.gru_hidden_size=16", "draft.model.correction_size=16",
-                f"draft.model.vocab_size={vocab}",
-            ],
-        )  # fmt: skip
-    run(cfg)
-    assert seen == [0.0, 0.5]
-    # The preflight forward has no loss mask; both training steps pass the batch's.
-    assert masks[0] is None and len(masks) == 3 and all(m is not None for m in masks[1:])
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [x for x in lines if x["kind"] == "train"]
-    assert [x["offsets"] for x in train_lines] == [[1, 2, 3]] * 2
-    weights = [math.exp(-i / 4.0) for i in range(3)]  # conf gamma 4, not offset_decay 0.8 ** i
-    for rec in train_lines:
-        assert math.isfinite(rec["loss"]) and all(0.0 <= a <= 1.0 for a in rec["alpha"])
-        logged = sum(w * x for w, x in zip(weights, rec["loss_per_offset"], strict=True))
-        assert rec["loss"] == pytest.approx(logged, rel=1e-5)
-    assert any(x["kind"] == "eval" and x["tau"] >= 1.0 for x in lines)
-
-    tiny = build_tiny_random(device="cpu")
-    loaded = load_draft(run_dir / "checkpoints" / "step_00000002", tiny)
-    assert isinstance(loaded, DominoDraft) and loaded.block_size == 4
-    if vocab == "full":
-        assert loaded.vocab_ids is None
-    else:  # the run's vocabulary, not the -1 placeholder of a draft built without counts
-        assert loaded.vocab_ids.shape == (64,) and bool((loaded.vocab_ids.diff() > 0).all())
-        assert set(tiny.eos_token_ids) <= set(loaded.vocab_ids.tolist())
-        make_drafter(loaded, tiny)  # passes check_vocab
-
-
-# -- refusals --------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (["decode.k=8"], r"decode.k=8 but one draft=dflash block drafts at most .* = 7"),
-        (["decode=tree_dynamic", "decode.tree.depth=8"], r"decode.tree.depth=8 .* at most"),
-        (["decode=tree_static"], "cannot draft decode.tree.kind=static"),
-        (["replay.enabled=true"], "set replay.enabled=false"),
-        (["draft=domino", "draft.model.block_size=4", "decode.k=4"], "draft=domino block"),
-        (
-            ["loss=ce", "loss.labels=data"],
-            r"draft.model.vocab_size=8192\) cannot .*vocab_size=full",
-        ),
-    ],
-)
-def test_startup_checks_refuse_what_a_block_cannot_draft(overrides, message):
-    from train.settings import check_settings
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        good = compose("train", overrides=["+experiment=dflash_kl", "decode=tree_dynamic"])
-        bad = compose("train", overrides=["+experiment=dflash_kl", *overrides])
-    check_settings(good)  # a dynamic tree of depth <= block_size - 1 fits
-    with pytest.raises(ValueError, match=message):
-        check_settings(bad)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_export_and_replay_refuse_clearly(target, kind):
-    draft = build(target, kind)
-    with pytest.raises(ExportError, match="not exported"):
-        refuse("speculators", draft)
-    ids = torch.randint(6, 128, (1, 8))
-    out = draft(target, ids, target(ids, hidden_layers=draft.hidden_layers))
-    with pytest.raises(ValueError, match="replay.enabled=false"):
-        gather_stream(out, torch.zeros(1, 8, 128), {}, "acc")

@@ -7,8 +7,8 @@ import torch
 from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from decoding.spec import generate
+from models import vocab
 from models.eagle import EagleDraft, from_target
-from models.eagle_init import build_vocab_map
 from models.protocol import DraftOutput
 from models.target import TargetOutput
 from models.target_loaders import build_tiny_random
@@ -183,7 +183,7 @@ def test_vocab_map_round_trip_and_checkpoint(tiny_target):
     counts = _counts(tiny_target)
     eos = tiny_target.eos_token_ids[0]
     counts[eos] = 0  # EOS is kept even when it never appears in the data
-    d2t, t2d = build_vocab_map(counts, 32, always_keep=[eos])
+    d2t, t2d = vocab.to_offsets(vocab.most_frequent(counts, 32, always_keep=[eos]), len(counts))
     target_ids = torch.arange(32) + d2t
     assert (
         bool(t2d[eos]) and int(t2d.sum()) == 32 and bool((target_ids[1:] > target_ids[:-1]).all())
@@ -194,10 +194,10 @@ def test_vocab_map_round_trip_and_checkpoint(tiny_target):
     draft = _build(tiny_target, "eagle3", counts=counts)
     assert torch.equal(draft.vocab_ids(), target_ids)
     assert torch.equal(
-        draft.target_to_draft(draft.vocab_ids()), torch.arange(32)
+        vocab.to_draft(draft.vocab_ids(), target_ids), torch.arange(32)
     )  # draft->target->draft
     outside = (~t2d).nonzero()[:3, 0]
-    assert draft.target_to_draft(outside).tolist() == [-1, -1, -1]
+    assert vocab.to_draft(outside, target_ids).tolist() == [-1, -1, -1]
     # The mapping lives in the checkpoint; a fresh draft without data reloads it exactly.
     state = draft.state_dict()
     assert {"d2t", "t2d"} <= set(state)

@@ -22,7 +22,7 @@ from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from models import eagle
 from models.target_loaders import build_tiny_random, load_smollm2
-from train.export import export
+from train.formats.export import export
 
 torch.set_num_threads(1)
 

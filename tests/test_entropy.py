@@ -34,7 +34,7 @@ from decoding.spec import generate
 from decoding.tree import TreeSpec
 from decoding.verify import greedy_verify, tree_greedy_verify
 from models import medusa
-from tests.test_spec import make_target, noisy_copy, prompt_ids
+from tests.helpers import noisy_copy, prompt_ids, untied_target
 
 torch.set_num_threads(1)
 GREEDY, T1 = Sampling(), Sampling(temperature=1.0)
@@ -173,7 +173,7 @@ def test_entropy_alpha_buckets_and_fit_by_hand():
 # -- the loops ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def target():
-    return make_target()
+    return untied_target()
 
 
 def judged_chain(result) -> int:

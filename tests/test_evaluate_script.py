@@ -1,9 +1,10 @@
 """scripts/evaluate.py on a tiny run: it reproduces the run's own final evaluation exactly,
-renders jsonl prompts as the eval prompts are rendered, and refuses bad input clearly."""
+applies Hydra overrides over the checkpoint's config, renders jsonl prompts as the eval
+prompts are rendered, and refuses bad input clearly."""
 
-import argparse
 import importlib.util
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,8 +78,8 @@ def test_reproduces_the_runs_final_evaluation(run_dir, tmp_path, capsys):
 def test_overrides_reach_the_decoder(run_dir):
     # A run directory stands for its newest checkpoint.
     result = ev.main(
-        [str(run_dir), "--k", "2", "--temperatures", "0", "--num-prompts", "2",
-         "--max-new-tokens", "6"]
+        [str(run_dir), "decode.k=2", "decode.temperatures=[0]", "decode.num_prompts=2",
+         "decode.max_new_tokens=6"]
     )  # fmt: skip
     assert result["step"] == 8
     assert result["k"] == 2 and result["num_prompts"] == 2
@@ -86,18 +87,19 @@ def test_overrides_reach_the_decoder(run_dir):
     assert "T0.7/tau" not in result
 
 
-def test_compile_flags_add_the_compiled_path(run_dir):
-    """--compile decodes through the compiled path too (docs/fastpath.md): its keys beside the
-    eager ones, the same tokens in fp32; a bad --compile-mode is refused at start-up."""
-    flags = [str(run_dir), "--temperatures", "0", "--num-prompts", "2", "--max-new-tokens", "6",
-             "--dtype", "fp32", "--compile", "--compile-mode", "aot_eager"]  # fmt: skip
-    result = ev.main(flags)
+def test_compile_overrides_add_the_compiled_path(run_dir):
+    """decode.compile=true decodes through the compiled path too (docs/fastpath.md): its keys
+    beside the eager ones, the same tokens in fp32; a bad compile_mode is refused at start-up."""
+    args = [str(run_dir), "decode.temperatures=[0]", "decode.num_prompts=2",
+            "decode.max_new_tokens=6", "decode.dtype=fp32", "decode.compile=true",
+            "decode.compile_mode=aot_eager"]  # fmt: skip
+    result = ev.main(args)
     assert result["greedy/compiled_tau"] == result["greedy/tau"]
     assert result["compiled_graphs"] > 0 and result["compile_s"] > 0
     assert result["speedup_compiled"] == result["greedy/compiled_speedup"]
     with pytest.raises(ValueError, match="decode.compile_mode"):
-        ev.main([*flags[:-1], "fastest"])
-    assert "speedup_compiled" not in ev.main(flags[:-3])  # without --compile: eager only
+        ev.main([*args[:-1], "decode.compile_mode=fastest"])
+    assert "speedup_compiled" not in ev.main(args[:-2])  # without decode.compile: eager only
 
 
 def test_jsonl_prompts_are_rendered_like_the_eval_prompts(run_dir, tmp_path):
@@ -128,10 +130,11 @@ def test_jsonl_prompts_are_rendered_like_the_eval_prompts(run_dir, tmp_path):
     target = build_tiny_random(seed=0, device="cpu")
     target.model.save_pretrained(moved)
     target.tokenizer.save_pretrained(moved)
-    elsewhere = ev.main([str(run_dir), "--prompts", str(prompts), "--target-path", str(moved)])
+    elsewhere = ev.main([str(run_dir), "--prompts", str(prompts), "target=hf",
+                         f"target.path={moved}"])  # fmt: skip
     assert deterministic(elsewhere) == deterministic(final)
     with pytest.raises(FileNotFoundError, match="has no config.json"):
-        ev.main([str(run_dir), "--prompts", str(prompts), "--target-path", str(tmp_path)])
+        ev.main([str(run_dir), "--prompts", str(prompts), "target=hf", f"target.path={tmp_path}"])
 
 
 def test_bad_input_says_what_is_wrong(run_dir, tmp_path):
@@ -140,18 +143,20 @@ def test_bad_input_says_what_is_wrong(run_dir, tmp_path):
         ev.main([str(tmp_path / "nope")])
     with pytest.raises(FileNotFoundError, match="not a draftlab checkpoint"):
         ev.main([str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="CKPT comes first"):
+        ev.main(["decode.k=3", str(ckpt)])
     with pytest.raises(ValueError, match=r"k \(draft tokens per round\) must be >= 1"):
-        ev.main([str(ckpt), "--k", "0"])
+        ev.main([str(ckpt), "decode.k=0"])
     with pytest.raises(ValueError, match="temperature must be >= 0"):
-        ev.main([str(ckpt), "--temperatures", "0", "-0.5"])
-    with pytest.raises(ValueError, match="--tree 'bushy'"):
-        ev.main([str(ckpt), "--tree", "bushy"])
+        ev.main([str(ckpt), "decode.temperatures=[0,-0.5]"])
+    with pytest.raises(ValueError, match=r"decode=bushy: there is no conf/decode/bushy.yaml"):
+        ev.main([str(ckpt), "decode=bushy"])
     with pytest.raises(FileNotFoundError, match="--prompts"):
         ev.main([str(ckpt), "--prompts", str(tmp_path / "missing.jsonl")])
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "def add(a, b):"}\n')
-    with pytest.raises(ValueError, match="DraftLMDrafter cannot draft trees"):  # --tree applied
-        ev.main([str(ckpt), "--tree", "static", "--prompts", str(good)])
+    with pytest.raises(ValueError, match="DraftLMDrafter cannot draft trees"):  # the tree applied
+        ev.main([str(ckpt), "decode=tree_static", "--prompts", str(good)])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n\n{"prompt": "also fine"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl line 4: expected an object with a \"prompt\""):
@@ -166,8 +171,56 @@ def test_a_run_naming_the_target_loaders_old_place_still_evaluates(run_dir, tmp_
     cfg = OmegaConf.load(run_dir / "config.yaml")
     cfg.target._target_ = "train.target.build_tiny_random"
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    flags = ("k", "temperatures", "top_p", "top_k", "max_new_tokens", "num_prompts", "seed")
-    flags += ("dtype", "compile", "compile_mode", "tree", "target_path", "device")
-    loaded = ev.run_config(tmp_path, argparse.Namespace(**dict.fromkeys(flags)))
+    loaded = ev.checkpoint_config(tmp_path)
     assert loaded.target._target_ == "models.target_loaders.build_tiny_random"
     assert callable(get_method(loaded.target._target_))
+
+
+def test_the_checkpoints_own_config_comes_first(run_dir, tmp_path):
+    """CKPT/config.yaml, else <run_dir>/config.yaml two levels up, else a clear refusal."""
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000008"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000008", ckpt)
+    (ckpt / "config.yaml").unlink(missing_ok=True)
+    with pytest.raises(FileNotFoundError, match="no config.yaml in .*step_00000008 nor in its run"):
+        ev.checkpoint_config(ckpt)
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    (tmp_path / "run" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    assert ev.checkpoint_config(ckpt).decode.k == 3
+    cfg.decode.k = 7
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    assert ev.checkpoint_config(ckpt).decode.k == 7
+    assert ev.find_checkpoint(tmp_path / "run") == ckpt  # a run directory: its newest
+
+
+def test_overrides_follow_hydras_grammar(run_dir):
+    """Over a loaded config: KEY=VALUE changes an existing key, +KEY adds a new one, ++KEY
+    either, ~KEY deletes; GROUP=NAME replaces the node with conf/GROUP/NAME.yaml as composed,
+    before the keys wherever it stands (as Hydra composes); every misuse is refused with the fix."""
+    cfg = lambda: OmegaConf.load(run_dir / "config.yaml")  # noqa: E731
+    got = ev.apply_overrides(
+        cfg(), ["decode.k=5", "decode.temperatures=[0,1.0]", "+decode.extra=1",
+                "++decode.k=6", "~decode.seed", "decode.top_p=0.9"]
+    )  # fmt: skip
+    assert (got.decode.k, list(got.decode.temperatures), got.decode.extra) == (6, [0, 1.0], 1)
+    assert "seed" not in got.decode and got.decode.top_p == 0.9
+    tree = ev.apply_overrides(cfg(), ["decode.num_prompts=3", "decode=tree_dynamic"])
+    assert tree.decode.tree.kind == "dynamic" and tree.decode.num_prompts == 3
+    assert tree.decode.k == 4 and tree.decode.max_new_tokens == 128  # the group's own values
+    moved = ev.apply_overrides(cfg(), ["device=cpu", "target=hf", "target.path=/models/x"])
+    assert OmegaConf.to_container(moved.target, resolve=True) == {
+        "_target_": "models.target_loaders.load_hf_target", "path": "/models/x",
+        "dtype": "float32", "device": "cpu"}  # fmt: skip
+    refusals = {
+        "decode.kk=3": "the config has no decode.kk .* write \\+decode.kk=3 to add it",
+        "+decode.k=3": "decode.k is already set",
+        "~decode.nope": "no decode.nope to delete",
+        "~decode.k=9": "decode.k is 3, not 9",
+        "decode.k=2,3": "no sweeps",
+        "decode=bushy": "no conf/decode/bushy.yaml; conf/decode has \\['chain'",
+        "+experiment=debug": "a recipe over the whole config",
+        "~target": "cannot lose its target",
+        "/tmp/x": "an override is KEY=VALUE",
+    }
+    for override, match in refusals.items():
+        with pytest.raises(ValueError, match=match):
+            ev.apply_overrides(cfg(), [override])

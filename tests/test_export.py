@@ -1,4 +1,4 @@
-"""Exports (train/export.py): each format's key set and config fields are the anchors' own
+"""Exports (train/formats/export.py): each format's key set and config fields are the anchors' own
 (FasterDecoding/Medusa `medusa_model.py`, vLLM `models/medusa.py` + `configs/medusa.py`), an
 independent re-implementation of the Medusa maths reproduces draftlab's heads from the
 exported files, the exported draft LM runs as HF `assistant_model` and loads back through
@@ -20,7 +20,7 @@ from models import draft_lm, eagle, medusa, mtp
 from models.draft_lm import DraftLM
 from models.target_loaders import build_tiny_random
 from train.checkpoint import save_checkpoint
-from train.export import ExportError, export
+from train.formats.export import ExportError, export
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_medusa2_exports_merged_target(target, tmp_path):
     assert base == str((tmp_path / "m" / "merged_target").resolve())
     merged = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     ids = torch.randint(6, target.vocab_size, (1, 8), generator=torch.Generator().manual_seed(6))
-    expected = heads.merged_target(target).model(input_ids=ids).logits
+    expected = heads.decoding_target(target).model(input_ids=ids).logits
     torch.testing.assert_close(merged(input_ids=ids).logits, expected)
     assert not torch.allclose(target.model(input_ids=ids).logits, expected)  # LoRA did act
 

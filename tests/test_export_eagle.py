@@ -1,8 +1,9 @@
-"""EAGLE exports (train/export_eagle.py): each format's key set and config fields are the
-anchors' own (vLLM `llama_eagle3.py` / `llama_eagle.py` / `configs/speculators/`, SGLang
-`llama_eagle3.py`, speculators `Eagle3SpeculatorConfig`, SpecForge `LlamaForCausalLMEagle3`),
-the tap ids follow each engine's convention, export -> read_eagle_export -> a fresh draft
-gives identical logits, and every refusal writes nothing."""
+"""EAGLE exports (train/formats/eagle.py, read back by train/formats/eagle_read.py): each
+format's key set and config fields are the anchors' own (vLLM `llama_eagle3.py` /
+`llama_eagle.py` / `configs/speculators/`, SGLang `llama_eagle3.py`, speculators
+`Eagle3SpeculatorConfig`, SpecForge `LlamaForCausalLMEagle3`), the tap ids follow each
+engine's convention, export -> read_eagle_export -> a fresh draft gives identical logits, and
+every refusal writes nothing."""
 
 import json
 
@@ -14,8 +15,8 @@ from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from models import eagle
 from models.target_loaders import build_tiny_random
-from train.export import ExportError, export
-from train.export_eagle import read_eagle_export
+from train.formats.eagle_read import read_eagle_export
+from train.formats.export import ExportError, export
 
 torch.set_num_threads(1)
 

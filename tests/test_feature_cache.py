@@ -3,34 +3,26 @@ gradients it gives equal the online target's bit for bit, a run with it equals a
 its key follows target, data and taps, and a partial or damaged cache is rebuilt, not read."""
 
 import json
-from pathlib import Path
 
 import hydra.utils
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 import train.feature_cache as fc
 from models.target import Target
 from models.target_loaders import build_tiny_random
+from tests.helpers import TINY_CPU_RUN, compose_train, metrics_records
 from train.checkpoint import load_checkpoint
 from train.data.prepare import collate
-from train.losses import LOSSES
-from train.step_stats import aux_loss, offset_losses, proxy_tags, stats_size
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from train.step import StepSetup, StepStats, aux_loss, offset_losses
 
 
 def _cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(
-            "train",
-            overrides=[
-                "target=tiny_random", "data=tiny", "logger=none", "device=cpu", "name=fc",
-                "optim.lr=3e-3", "optim.warmup_steps=1", "train.batch_size=4", "train.log_every=1",
-                "decode.temperatures=[0.0,0.7]", *overrides,
-            ],
-        )  # fmt: skip
+    return compose_train(
+        *TINY_CPU_RUN, "name=fc",
+        "optim.lr=3e-3", "optim.warmup_steps=1", "train.batch_size=4", "train.log_every=1",
+        "decode.temperatures=[0.0,0.7]", *overrides,
+    )  # fmt: skip
 
 
 def _rows(n: int = 10, seed: int = 0) -> list[dict]:
@@ -46,21 +38,18 @@ def _rows(n: int = 10, seed: int = 0) -> list[dict]:
 def _loss_and_grads(cfg, draft, target, batch, t_out):
     """One micro-batch of the loop: draft forward, offset losses + aux, backward."""
     draft.zero_grad(set_to_none=True)
-    out = draft(target, batch["input_ids"], t_out, batch["attention_mask"])
-    offsets = list(out.offsets)
-    counts = torch.tensor([float(batch["loss_mask"][:, o:].sum()) for o in offsets])
-    stats = torch.zeros(stats_size(len(offsets), len(proxy_tags(cfg.decode))))
-    loss = offset_losses(
-        out, t_out.logits, batch, offsets, counts, LOSSES[cfg.loss.name],
-        float(cfg.loss.temperature), cfg, stats,
-    )  # fmt: skip
+    out = draft(target, batch["input_ids"], t_out, batch["attention_mask"], batch["loss_mask"])
+    setup = StepSetup.from_config(cfg, out.offsets)
+    counts = torch.tensor([float(batch["loss_mask"][:, o:].sum()) for o in setup.offsets])
+    stats = StepStats.zeros(len(setup.offsets), len(setup.samplings))
+    loss = offset_losses(out, t_out.logits, batch, counts, setup, stats)
     aux = aux_loss(out, t_out.logits, batch["attention_mask"])
     if aux is not None:
         loss = loss + aux
     loss.backward()
     return (
         loss.detach(),
-        stats,
+        stats.flat(),
         {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None},
     )
 
@@ -140,10 +129,7 @@ def test_training_run_with_cache_equals_run_without(tmp_path, monkeypatch):
     assert online.keys() == cached.keys()
     for name in online:
         assert torch.equal(cached[name], online[name]), name
-    losses = [
-        [json.loads(x)["loss"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-        for d in ("online", "cached")
-    ]
+    losses = [[x["loss"] for x in metrics_records(tmp_path / d)] for d in ("online", "cached")]
     assert losses[0] == losses[1]
 
     # Another seed on the same data reads the cache: no rebuild, no target forward per step.

@@ -1,7 +1,7 @@
-"""draft.init_from (train/init_from.py): every format train/export.py writes loads back into a
-fresh draft with identical logits; a training run warm-starts from the imported weights and a
-resumed run ignores init_from; scripts/evaluate.py --init-from evaluates an imported draft as
-its checkpoint; every refusal says what to change and leaves the draft as it was."""
+"""draft.init_from (train/formats/init_from.py): every format train/formats/ writes loads back
+into a fresh draft with identical logits; a training run warm-starts from the imported weights
+and a resumed run ignores init_from; scripts/evaluate.py --init-from evaluates an imported draft
+as its checkpoint; every refusal says what to change and leaves the draft as it was."""
 
 import importlib.util
 import json
@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from models import draft_lm, eagle, medusa, mtp
 from models.target_loaders import build_tiny_random
-from train import init_from
 from train.checkpoint import save_checkpoint, save_tensors
-from train.export import export
-from train.init_from import InitError, detect_format, init_draft_from
+from train.formats import init_from
+from train.formats.export import export, load_run_draft
+from train.formats.init_from import InitError, detect_format, init_draft_from
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,7 +168,6 @@ def source_run(tmp_path_factory):
 
 
 def test_loop_warm_starts_from_import_and_resume_wins(source_run, tmp_path):
-    from train.export import load_run_draft
     from train.loop import run
 
     ckpt = tmp_path / "step_00000008"  # a copy: this test deletes it
@@ -191,8 +190,6 @@ def test_loop_warm_starts_from_import_and_resume_wins(source_run, tmp_path):
 
 def test_evaluate_script_evaluates_an_imported_draft(source_run, tmp_path, capsys):
     """--init-from an hf export of a checkpoint decodes exactly as the checkpoint does."""
-    from train.export import load_run_draft
-
     spec = importlib.util.spec_from_file_location(
         "evaluate_script", ROOT / "scripts" / "evaluate.py"
     )
@@ -201,7 +198,7 @@ def test_evaluate_script_evaluates_an_imported_draft(source_run, tmp_path, capsy
     ckpt = source_run / "checkpoints" / "step_00000008"
     draft, target = load_run_draft(ckpt)
     export(draft, target, "hf", tmp_path / "hf")
-    flags = ["--temperatures", "0", "1", "--num-prompts", "2", "--max-new-tokens", "12"]
+    flags = ["decode.temperatures=[0,1]", "decode.num_prompts=2", "decode.max_new_tokens=12"]
     own = ev.main([str(ckpt), *flags])
     capsys.readouterr()
     imported = ev.main(["--init-from", str(tmp_path / "hf"), "+experiment=debug", *flags])
@@ -214,8 +211,8 @@ def test_evaluate_script_evaluates_an_imported_draft(source_run, tmp_path, capsy
     export(_heads(target), target, "medusa", tmp_path / "m")
     with pytest.raises(InitError, match="config builds draft=draft_lm .* set draft=medusa"):
         ev.main(["--init-from", str(tmp_path / "m"), "+experiment=debug", *flags])
-    with pytest.raises(SystemExit):
-        ev.main([str(ckpt), "+experiment=debug"])  # overrides need --init-from
+    with pytest.raises(ValueError, match="compose a config from conf/ with --init-from DIR"):
+        ev.main([str(ckpt), "+experiment=debug"])  # a recipe needs --init-from
 
 
 # -- refusals: what was wrong, which setting to change, and the draft untouched ------------------
@@ -272,7 +269,7 @@ def test_wrong_draft_kind_is_refused(target, tmp_path):
 
 def test_eagle_formats_are_detected_and_checked(target, tmp_path, monkeypatch):
     """Hand-written tiny directories: detection, the kind check before any reading, and the
-    hand-over to train/export_eagle.py's reader (stubbed here)."""
+    hand-over to train/formats/eagle_read.py's reader (stubbed here)."""
     spec = tmp_path / "spec"
     spec.mkdir()
     (spec / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3",
@@ -295,7 +292,7 @@ def test_eagle_formats_are_detected_and_checked(target, tmp_path, monkeypatch):
 
     source = _perturbed(eagle.from_target(target, vocab_size="full"), seed=4)
     settings = {"style": "eagle3", "layers": list(source.hidden_layers)}
-    # train/export_eagle.py's reader (its own tests cover it) hands over a state and settings
+    # train/formats/eagle_read.py's reader (its own tests cover it) hands over a state and settings
     monkeypatch.setattr(
         init_from, "read_eagle_export", lambda path, t: (source.state_dict(), settings)
     )

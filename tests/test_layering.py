@@ -71,9 +71,11 @@ def test_no_import_of_a_higher_layer(path: Path):
 
 
 ALL_FILES = [p for pkg in PACKAGES for p in module_files(pkg)]
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+MAX_LINES = 450  # a file a reader holds in their head
 
 
-@pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", ALL_FILES + SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_project_imports_sit_at_the_top_of_the_module(path: Path):
     """An import of project code inside a function (or under `if TYPE_CHECKING`) is how a
     cycle hides; with one-way layers none is needed. Optional third-party imports (peft,
@@ -106,6 +108,30 @@ def test_importing_a_layer_loads_no_higher_layer(layer: str):
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+def test_no_python_file_is_over_the_size_a_reader_holds():
+    """Packages, scripts, tests and the entry point alike: split by responsibility."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    untracked = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard", "*.py"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    sizes = {
+        n: len((ROOT / n).read_text().splitlines())
+        for n in tracked + untracked
+        if (ROOT / n).exists()
+    }
+    over = {n: lines for n, lines in sizes.items() if lines > MAX_LINES}
+    assert sizes and not over, f"over {MAX_LINES} lines: {over}"
+
+
+def test_scripts_do_not_edit_sys_path():
+    """The project is installed (scripts/setup.sh): a script imports it as it is."""
+    edits = [p.name for p in SCRIPTS if "sys.path" in p.read_text()]
+    assert not edits, f"scripts that edit sys.path: {edits}"
 
 
 # Built from parts so that this file itself does not match.

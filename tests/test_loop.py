@@ -6,11 +6,21 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from transformers import LlamaConfig, LlamaForCausalLM
 
-import train.losses
+import train.loop
 from decoding.drafters import make_drafter
+from decoding.drafters.draft_lm import DraftLMDrafter
+from decoding.spec import generate
+from models.draft_lm import from_target
+from models.protocol import DraftOutput
 from models.target_loaders import build_tiny_random
 from train.checkpoint import list_checkpoints, load_checkpoint, load_draft
+from train.data.prepare import collate, prepare_data
+from train.loop import TrainingDiverged, preflight, run
+from train.losses import LOSSES, Loss
+from train.schedule import lr_lambda
+from train.step import StepSetup, StepStats, offset_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -29,7 +39,6 @@ def _lines(run_dir: Path) -> list[dict]:
 
 
 def test_debug_run_trains_checkpoints_evaluates(tmp_path):
-    from train.loop import run
 
     run_dir = tmp_path / "run"
     summary = run(compose_debug(run_dir, "train.steps=6", "train.ckpt_every=3"))
@@ -62,7 +71,6 @@ def test_debug_run_trains_checkpoints_evaluates(tmp_path):
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
-    from train.loop import run
 
     run(
         compose_debug(
@@ -77,17 +85,16 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
-    from train.loop import TrainingDiverged, run
 
     calls = {"n": 0}
-    real_kl = train.losses.LOSSES["kl"]
+    real_kl = LOSSES["kl"]
 
     def kl_nan_at_third_step(*args, **kwargs):
         calls["n"] += 1
         value = real_kl(*args, **kwargs)
         return value * float("nan") if calls["n"] == 3 else value
 
-    monkeypatch.setitem(train.losses.LOSSES, "kl", kl_nan_at_third_step)
+    monkeypatch.setitem(LOSSES, "kl", Loss(kl_nan_at_third_step))
     cfg = compose_debug(tmp_path, "train.steps=6", "train.ckpt_every=2", "train.eval_at_ckpt=false")
     with pytest.raises(TrainingDiverged, match="at step 3.*step_00000002 is kept"):
         run(cfg)
@@ -97,7 +104,6 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
 
 
 def test_resume_without_checkpoint_fails_before_training(tmp_path):
-    from train.loop import run
 
     with pytest.raises(FileNotFoundError, match="resume=true but .* holds no checkpoint"):
         run(compose_debug(tmp_path, "resume=true"))
@@ -105,7 +111,6 @@ def test_resume_without_checkpoint_fails_before_training(tmp_path):
 
 
 def test_existing_checkpoints_need_resume_or_overwrite(tmp_path):
-    from train.loop import run
 
     cfg = compose_debug(tmp_path, "train.eval_at_ckpt=false")
     run(cfg)
@@ -117,9 +122,6 @@ def test_existing_checkpoints_need_resume_or_overwrite(tmp_path):
 
 
 def test_draft_with_other_vocabulary_fails_before_training(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from train.loop import run
 
     other = LlamaForCausalLM(
         LlamaConfig(
@@ -139,33 +141,28 @@ def test_draft_with_other_vocabulary_fails_before_training(tmp_path):
 
 
 def test_preflight_rejects_wrong_vocab_size(tiny_target):
-    from models.protocol import DraftOutput
-    from train.loop import _preflight
 
     class WrongVocab(torch.nn.Module):
         hidden_layers = ()
 
-        def forward(self, target, input_ids, target_out, attention_mask=None):
+        def forward(self, target, input_ids, target_out, attention_mask=None, loss_mask=None):
             return DraftOutput(logits=[torch.zeros(*input_ids.shape, 50)], offsets=[0])
 
     with pytest.raises(
         ValueError, match="predicts 50 tokens per position but the target's vocabulary"
     ):
-        _preflight(WrongVocab(), tiny_target, torch.arange(8))
+        preflight(WrongVocab(), tiny_target, torch.arange(8))
 
 
 def test_ce_data_labels_align_with_target_argmax(tmp_path):
     """The tiny data is the target's own fp32 greedy output, so at every trained position
     the data label x_{t+1} IS the target's argmax at t: both CE variants agree exactly.
     An off-by-one in the label shift breaks this."""
-    from train.data.prepare import collate, prepare_data
-    from train.step_stats import offset_losses, proxy_tags, stats_size
 
     target = build_tiny_random(vocab_size=128, device="cpu")
     cfg = compose_debug(tmp_path, "loss=ce", "loss.labels=data")
     prepared = prepare_data(target, **{**cfg.data, "num_train": 6})
     batch = collate([prepared.train[i] for i in range(4)], target.tokenizer.pad_token_id)
-    from models.draft_lm import from_target
 
     draft = from_target(target, init="random", num_layers=1)
     t_out = target(batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
@@ -174,18 +171,14 @@ def test_ce_data_labels_align_with_target_argmax(tmp_path):
     losses = {}
     for labels in ("data", "target"):
         c = compose_debug(tmp_path, "loss=ce", f"loss.labels={labels}")
-        stats = torch.zeros(stats_size(1, len(proxy_tags(c.decode))))
-        losses[labels] = offset_losses(
-            out, t_out.logits, batch, [0], count, train.losses.cross_entropy, 1.0, c, stats
-        ).item()
+        setup = StepSetup.from_config(c, [0])
+        stats = StepStats.zeros(1, len(setup.samplings))
+        losses[labels] = offset_losses(out, t_out.logits, batch, count, setup, stats).item()
     assert losses["data"] == pytest.approx(losses["target"], rel=1e-6)
     assert losses["data"] > 1.0  # a random draft: a real loss, not a vacuous 0
 
 
 def test_draft_lm_copies_target_and_decodes_losslessly(tiny_target):
-    from decoding.drafters.draft_lm import DraftLMDrafter
-    from decoding.spec import generate
-    from models.draft_lm import from_target
 
     draft = from_target(tiny_target, num_layers=1, init="target")
     lm = draft.causal_lm()
@@ -202,7 +195,6 @@ def test_draft_lm_copies_target_and_decodes_losslessly(tiny_target):
 
 
 def test_draft_lm_lora_on_pretrained(tmp_path, tiny_target):
-    from models.draft_lm import from_target
 
     base = from_target(tiny_target, num_layers=1, init="random").causal_lm()
     base.save_pretrained(tmp_path / "pre")
@@ -214,7 +206,6 @@ def test_draft_lm_lora_on_pretrained(tmp_path, tiny_target):
 
 
 def test_time_budget_stops_with_checkpoint_and_eval(tmp_path):
-    from train.loop import run
 
     # Any optimizer step takes longer than a microsecond: the budget ends the run after step 1,
     # which still gets its checkpoint, evaluation and summary.
@@ -249,7 +240,6 @@ def test_time_budget_stops_with_checkpoint_and_eval(tmp_path):
 
 
 def test_eval_every_evaluates_multiples_and_the_last_step(tmp_path):
-    from train.loop import run
 
     run(compose_debug(tmp_path, "train.steps=5", "train.ckpt_every=1", "train.eval_every=2"))
     evals = [x["step"] for x in _lines(tmp_path) if x["kind"] == "eval"]
@@ -257,11 +247,10 @@ def test_eval_every_evaluates_multiples_and_the_last_step(tmp_path):
 
 
 def test_lr_schedule_follows_the_time_budget():
-    from train.loop import _lr_lambda
 
     spent = {"share": 0.0}
-    by_time = _lr_lambda(2, 1000, 0.1, lambda: spent["share"])
-    by_step = _lr_lambda(2, 10, 0.1)
+    by_time = lr_lambda(2, 1000, 0.1, lambda: spent["share"])
+    by_step = lr_lambda(2, 10, 0.1)
     assert by_time(0) == by_step(0) == 0.5  # warmup counts steps either way
     for share, step in [(0.0, 2), (0.5, 6), (1.0, 10), (3.0, 10)]:
         spent["share"] = share  # share of the budget spent = share of the cosine done
@@ -295,7 +284,7 @@ BAD_SETTINGS = [
     ),
     (
         ["draft=mtp", "draft.model.recursive_last=false", "decode.k=2", REPLAY, "replay.k=3"],
-        "replay.k=3 drafts per round but the MTP draft has draft.model.num_depths=2",
+        "replay.k=3 drafts per round but one round of a draft=mtp drafts at most 2 tokens",
     ),
     (["data.num_eval=0"], "eval_at_ckpt=true but the data has no eval prompts"),
     (["train.eval_every=0"], "train.eval_every must be a number of steps >= 1 or null"),
@@ -319,6 +308,8 @@ BAD_SETTINGS = [
     (["train.time_budget_s=0"], "train.time_budget_s must be > 0"),
     (["loss.name=l2"], "loss.name='l2' is not one of"),
     (["loss.temperature=0"], "loss.temperature must be > 0"),
+    (["loss=kl", "+loss.labels=data"], "loss.labels=data but loss .kl. takes no labels"),
+    (["draft.kind=nope"], "draft.kind: no drafter for draft kind .nope."),
     (["optim.lr=-1"], "optim: Invalid learning rate"),
 ]
 
@@ -327,12 +318,11 @@ BAD_SETTINGS = [
     "overrides, message", BAD_SETTINGS, ids=[" ".join(o) for o, _ in BAD_SETTINGS]
 )
 def test_bad_setting_fails_before_the_target_is_loaded(tmp_path, monkeypatch, overrides, message):
-    import train.loop
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the target/draft was built before the settings were checked")
 
-    monkeypatch.setattr(train.loop, "_instantiate", no_loading)
+    monkeypatch.setattr(train.loop, "instantiate", no_loading)
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
         train.loop.run(compose_debug(run_dir, *overrides))
@@ -341,7 +331,6 @@ def test_bad_setting_fails_before_the_target_is_loaded(tmp_path, monkeypatch, ov
 
 def test_bad_setting_fails_fast_on_a_resumed_run(tmp_path):
     # The checks come before resume/overwrite handling too: overwrite=true deletes nothing.
-    from train.loop import run
 
     run(compose_debug(tmp_path, "train.eval_at_ckpt=false"))
     before = list_checkpoints(tmp_path)

@@ -1,3 +1,8 @@
+"""The distillation losses (train/losses.py): divergences, cross-entropy and the TV family
+(LK^lambda, LK^alpha, DSpark's CE + TV mix) by hand, chunked = unchunked, masks, gradients,
+loss options. The acceptance proxies: tests/test_acceptance_proxy.py; the per-step loss and
+statistics over draft offsets: tests/test_step_stats.py."""
+
 import math
 from functools import partial
 
@@ -6,10 +11,9 @@ import torch
 from omegaconf import OmegaConf
 
 from decoding.drafter import Sampling
-from decoding.verify import sampling_probs
+from train.acceptance import acceptance_proxy, sampling_cutoffs
 from train.losses import (
     LOSSES,
-    acceptance_proxy,
     ce_tv_mix,
     cross_entropy,
     forward_kl,
@@ -17,9 +21,6 @@ from train.losses import (
     lk_lambda,
     loss_options,
     reverse_kl,
-    sampling_cutoffs,
-    simulated_tau,
-    top1_agreement,
     total_variation,
 )
 
@@ -144,153 +145,6 @@ def test_bad_shapes_raise_clear_errors():
         total_variation(d, t, torch.ones(9))
     with pytest.raises(ValueError, match="temperature"):
         reverse_kl(d, t, torch.ones(10), temperature=0.0)
-
-
-def test_top1_and_simulated_tau():
-    t = torch.tensor([[3.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
-    d = torch.tensor([[2.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
-    assert top1_agreement(d, t.argmax(-1), torch.ones(2)).item() == 0.5
-    assert simulated_tau([0.5], k=3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert simulated_tau([0.8, 0.5], k=3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
-    assert simulated_tau([1.0], k=4) == 5.0
-
-
-# -- the acceptance proxy as the decoder sees it -------------------------------------------
-
-
-def _sampled(probs: list[float], temperature: float, top_p: float) -> list[float]:
-    """By hand: p^(1/T) normalised, then the smallest most-likely prefix reaching top_p."""
-    powered = [x ** (1 / temperature) for x in probs]
-    scaled = [x / sum(powered) for x in powered]
-    order = sorted(range(len(probs)), key=lambda i: -scaled[i])
-    kept, mass = set(), 0.0
-    for i in order:
-        if mass >= top_p:
-            break
-        kept.add(i)
-        mass += scaled[i]
-    total = sum(scaled[i] for i in kept)
-    return [scaled[i] / total if i in kept else 0.0 for i in range(len(probs))]
-
-
-def test_proxy_at_decode_temperature_and_top_p_matches_hand_computation():
-    p, q = [0.5, 0.3, 0.15, 0.05], [0.4, 0.4, 0.1, 0.1]
-    t_logits, d_logits = torch.tensor(p).log()[None], torch.tensor(q).log()[None]
-    mask = torch.ones(1)
-    # T = 0.7, top-p 0.8 keeps tokens {0, 1} of both: p -> [.675, .325, 0, 0], q -> [.5, .5, 0, 0].
-    p_s, q_s = _sampled(p, 0.7, 0.8), _sampled(q, 0.7, 0.8)
-    assert p_s[2:] == [0.0, 0.0] and q_s == [0.5, 0.5, 0.0, 0.0]
-    want = sum(min(a, b) for a, b in zip(p_s, q_s, strict=True))
-    sampling = Sampling(temperature=0.7, top_p=0.8)
-    got = acceptance_proxy(d_logits, t_logits, mask, sampling).item()
-    assert got == pytest.approx(want, abs=1e-6)
-    plain = acceptance_proxy(d_logits, t_logits, mask).item()  # T = 1, no truncation
-    assert plain == pytest.approx(0.85, abs=1e-6)  # 0.4 + 0.3 + 0.1 + 0.05
-    assert abs(got - plain) > 0.02
-
-
-def test_proxy_is_the_verifier_acceptance_with_reduced_vocab_topk_topp():
-    """alpha per row = sum_x min(p, q) with p, q exactly as decoding.verify samples them:
-    p over the full vocabulary, q over the draft ids scattered into it (zeros elsewhere)."""
-    g = torch.Generator().manual_seed(4)
-    N, V = 12, 50
-    vocab_ids = torch.randperm(V, generator=g)[:20].sort().values  # [Vd]
-    t = torch.randn(N, V, generator=g) * 3
-    d = t[:, vocab_ids] + torch.randn(N, 20, generator=g)
-    mask = torch.ones(N)
-    for sampling in (Sampling(0.7), Sampling(0.7, top_k=30, top_p=0.9), Sampling(1.3, top_p=0.5)):
-        p = sampling_probs(t, sampling)  # [N, V]
-        q = torch.zeros(N, V).index_copy(1, vocab_ids, sampling_probs(d, sampling))
-        want = torch.minimum(p, q).sum(-1)  # [N]
-        cut = sampling_cutoffs(t, sampling)
-        got = [
-            acceptance_proxy(
-                d[i : i + 1], t[i : i + 1, vocab_ids], mask[:1], sampling, cut[i : i + 1]
-            )
-            for i in range(N)
-        ]
-        torch.testing.assert_close(torch.stack(got), want, rtol=0, atol=1e-6)
-
-
-def test_reduced_vocab_alpha_uses_the_unrenormalised_target():
-    # Target over 4 tokens; the draft knows ids [0, 2] only. p = [.4, .3, .2, .1]: the
-    # decoder accepts at most p(0) + p(2) = 0.6, whatever q is.
-    p = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
-    vocab_ids = torch.tensor([0, 2])
-    q = torch.tensor([[0.5, 0.5]])
-    sampling = Sampling(temperature=1.0)
-    alpha = acceptance_proxy(
-        q.log(), p.log()[:, vocab_ids], torch.ones(1), sampling, sampling_cutoffs(p.log(), sampling)
-    )
-    assert alpha.item() == pytest.approx(min(0.4, 0.5) + min(0.2, 0.5), abs=1e-6)  # 0.6
-    # The loss's view renormalises p over the draft ids to [2/3, 1/3]: alpha 0.5 + 1/3.
-    renormalised = acceptance_proxy(q.log(), p.log()[:, vocab_ids], torch.ones(1))
-    assert renormalised.item() == pytest.approx(0.5 + 1 / 3, abs=1e-6)
-
-
-def test_top1_counts_a_miss_when_the_target_argmax_is_outside_the_draft_vocab():
-    vocab_ids = torch.tensor([0, 2, 3])
-    target_tokens = torch.tensor([2, 1, 3])  # position 1's argmax (id 1) is not a draft id
-    draft = torch.tensor([[0.0, 5.0, 0.0], [0.0, 5.0, 0.0], [0.0, 0.0, 5.0]])  # ids 2, 2, 3
-    hits = top1_agreement(draft, target_tokens, torch.ones(3), vocab_ids, reduction="sum")
-    assert hits.item() == 2.0
-    with pytest.raises(ValueError, match="argmax token ids"):
-        top1_agreement(draft, torch.zeros(3, 4), torch.ones(3), vocab_ids)
-
-
-def _oov_step(mask_out_of_vocab: bool):
-    """One offset_losses call on a reduced-vocabulary draft: T = 4 positions, target argmax
-    [0, 1, 2, 4] with draft ids [0, 2, 3], so positions 1 and 3 are out of vocabulary. The
-    draft's argmax is the target's argmax over the draft ids at every position."""
-    from models.protocol import DraftOutput
-    from train.step_stats import offset_losses, proxy_tags, stats_size
-
-    g = torch.Generator().manual_seed(5)
-    V, vocab_ids = 5, torch.tensor([0, 2, 3])
-    target = torch.randn(1, 4, V, generator=g)
-    target[0, torch.arange(4), torch.tensor([0, 1, 2, 4])] += 6.0  # the argmax per position
-    draft = 2.0 * target[..., vocab_ids] + 0.1 * torch.randn(1, 4, 3, generator=g)
-    cfg = OmegaConf.create(
-        {
-            "train": {"offset_decay": 1.0, "mask_out_of_vocab": mask_out_of_vocab},
-            "loss": {"name": "kl"},
-            "decode": {"temperatures": [0.0, 0.7], "top_k": 0, "top_p": 0.9},
-        }
-    )
-    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "loss_mask": torch.ones(1, 4)}
-    out = DraftOutput(logits=[draft], offsets=[0], vocab_ids=vocab_ids)
-    stats = torch.zeros(stats_size(1, len(proxy_tags(cfg.decode))))
-    loss = offset_losses(out, target, batch, [0], torch.tensor([4.0]), forward_kl, 1.0, cfg, stats)
-    return loss, stats, target, draft, vocab_ids
-
-
-def test_mask_out_of_vocab_drops_exactly_those_positions_from_the_loss():
-    from train.step_stats import StepWindow
-
-    kept = torch.tensor([0, 2])  # in-vocabulary positions
-    loss_all, stats_all, target, draft, vocab_ids = _oov_step(False)
-    loss_masked, stats_masked, _, _, _ = _oov_step(True)
-    restricted = target[0][:, vocab_ids]  # [4, 3]: the loss's renormalised target
-    want_all = forward_kl(draft[0], restricted, torch.ones(4), reduction="sum") / 4
-    want_masked = forward_kl(draft[0, kept], restricted[kept], torch.ones(2), reduction="sum") / 4
-    assert loss_all.item() == pytest.approx(want_all.item(), rel=1e-6)
-    assert loss_masked.item() == pytest.approx(want_masked.item(), rel=1e-6)
-    assert loss_masked.item() < loss_all.item()
-    # The logged statistics are the decoder's on every position, masked or not.
-    torch.testing.assert_close(stats_masked[1:], stats_all[1:])
-    window = StepWindow(1, ["T0.7"])
-    window.add(stats_masked, torch.tensor([4.0]), loss_masked.item(), 1.0, 0.1, 1.0)
-    rec = window.flush(1, 1e-3, 4, [0])
-    assert rec["oov_positions"] == 2.0 and rec["oov_share"] == 0.5
-    # Positions 1 and 3 can never be greedy hits (counting the draft's vocabulary only: 1.0).
-    assert rec["top1"] == [0.5]
-    sampling = Sampling(0.7, top_p=0.9)
-    alpha_07 = acceptance_proxy(
-        draft[0], restricted, torch.ones(4), sampling, sampling_cutoffs(target[0], sampling)
-    )
-    assert rec["alpha_T0.7"] == [pytest.approx(alpha_07.item(), abs=1e-6)]
-    assert rec["sim_tau_T0.7"] == pytest.approx(simulated_tau(rec["alpha_T0.7"], 4))
-    assert rec["alpha_T0.7"] != pytest.approx(rec["alpha"], abs=1e-3)  # not the T = 1 value
 
 
 # -- the TV family: LK^lambda, LK^alpha, DSpark's CE + TV mix --------------------------------
@@ -485,74 +339,13 @@ def test_tv_family_bad_options_raise_clear_errors():
         lk_alpha(d, t, mask, target_log_norm=torch.zeros(9))
     # Config keys: a loss's own options pass, others name the ones it takes.
     cfg = OmegaConf.create({"name": "lk", "temperature": 1.0, "eta": 10.0})
-    assert loss_options(lk_lambda, cfg) == {"eta": 10.0}
-    assert loss_options(forward_kl, {"name": "kl", "temperature": 1.0}) == {}
-    with pytest.raises(ValueError, match="loss.eta is not an option of loss 'kl'.*chunk_size"):
-        loss_options(forward_kl, {"name": "kl", "eta": 3.0})
-
-
-def _offset_losses(loss: dict, vocab_ids: torch.Tensor | None):
-    """One offset_losses call (T = 5, offsets [0, 1], V = 7) -> (loss, draft logits, target)."""
-    from models.protocol import DraftOutput
-    from train.step_stats import offset_losses, proxy_tags, stats_size
-
-    g = torch.Generator().manual_seed(9)
-    target = torch.randn(1, 5, 7, generator=g) * 2
-    vd = 7 if vocab_ids is None else len(vocab_ids)
-    drafts = [torch.randn(1, 5, vd, generator=g) for _ in range(2)]
-    cfg = OmegaConf.create(
-        {
-            "train": {"offset_decay": 0.5},
-            "loss": loss,
-            "decode": {"temperatures": [0.0, 0.7], "top_k": 0, "top_p": 1.0},
-        }
-    )
-    batch = {
-        "input_ids": torch.randint(0, 7, (1, 5), generator=g),
-        "loss_mask": torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]]),  # [t] = trains x_{t+1}
-    }
-    out = DraftOutput(logits=drafts, offsets=[0, 1], vocab_ids=vocab_ids)
-    stats = torch.zeros(stats_size(2, len(proxy_tags(cfg.decode))))
-    counts = torch.tensor([3.0, 3.0])  # the trained positions per offset
-    fn = LOSSES[loss["name"]]
-    total = offset_losses(out, target, batch, [0, 1], counts, fn, loss["temperature"], cfg, stats)
-    return total, drafts, target, batch
-
-
-def test_offset_losses_passes_the_options_and_the_full_vocabulary_normaliser():
-    vocab_ids = torch.tensor([0, 1, 3, 4, 6])
-    loss = {"name": "lk", "temperature": 1.5, "eta": 10.0, "alpha_mode": "batch"}
-    got, drafts, target, batch = _offset_losses(loss, vocab_ids)
-    want = plain = 0.0  # plain: the defaults (eta 3, per position, renormalised target)
-    for i, off in enumerate((0, 1)):
-        d = drafts[i][0, : 5 - off]
-        full = target[0, off:]  # [5 - off, V]
-        t, mask = full[:, vocab_ids], batch["loss_mask"][0, off:]
-        log_norm = (full / 1.5).logsumexp(-1)
-        want += 0.5**i * lk_lambda(d, t, mask, 1.5, log_norm, 10.0, "batch").item()
-        plain += 0.5**i * lk_lambda(d, t, mask, 1.5).item()  # 3 trained positions per offset
-    assert got.item() == pytest.approx(want, rel=1e-6)
-    assert abs(got.item() - plain) > 1e-2
-    with pytest.raises(ValueError, match="loss.alpha is not an option of loss 'lk'"):
-        _offset_losses({"name": "lk", "temperature": 1.0, "alpha": 3.0}, vocab_ids)
-
-
-def test_offset_losses_gives_dspark_the_data_labels():
-    loss = {
-        "name": "dspark",
-        "temperature": 1.0,
-        "labels": "data",
-        "ce_weight": 0.3,
-        "tv_weight": 0.9,
-    }
-    got, drafts, target, batch = _offset_losses(loss, None)
-    ids, mask = batch["input_ids"][0], batch["loss_mask"][0]
-    labels = torch.cat([ids[1:], ids.new_zeros(1)])  # x_{t+1}; the last (padding) is masked
-    want = ce_tv_mix(drafts[0][0], target[0], mask, labels=labels, ce_weight=0.3, tv_weight=0.9)
-    labels1 = torch.cat([ids[2:], ids.new_zeros(1)])
-    want1 = ce_tv_mix(
-        drafts[1][0, :4], target[0, 1:], mask[1:], labels=labels1, ce_weight=0.3, tv_weight=0.9
-    )
-    assert got.item() == pytest.approx(want.item() + 0.5 * want1.item(), rel=1e-6)
-    argmax = ce_tv_mix(drafts[0][0], target[0], mask, ce_weight=0.3, tv_weight=0.9)
-    assert abs(argmax.item() - want.item()) > 1e-3
+    assert loss_options(LOSSES["lk"], cfg) == {"eta": 10.0}
+    assert loss_options(LOSSES["kl"], {"name": "kl", "temperature": 1.0}) == {}
+    with pytest.raises(
+        ValueError, match=r"loss.eta is not an option of loss 'kl'; its options are \[\]"
+    ):
+        loss_options(LOSSES["kl"], {"name": "kl", "eta": 3.0})
+    with pytest.raises(
+        ValueError, match=r"loss.alpha is not .* 'lk'; its options are \['eta', 'alpha_mode'\]"
+    ):
+        loss_options(LOSSES["lk"], {"name": "lk", "alpha": 3.0})

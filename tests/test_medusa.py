@@ -16,7 +16,7 @@ from models.protocol import DraftModel
 from models.target import Target
 from models.target_loaders import build_tiny_random
 from train.losses import forward_kl
-from train.step_stats import adapted_lm_kl, aux_loss
+from train.step import adapted_lm_kl, aux_loss
 
 
 def _ids(vocab: int, shape=(2, 12), seed=0) -> torch.Tensor:
@@ -242,6 +242,7 @@ class _WrongQDrafter:
 
     def __init__(self, drafter):
         self.drafter, self.hidden_layers = drafter, drafter.hidden_layers
+        self.vocab_size = drafter.vocab_size
 
     def prefill(self, *args, **kwargs):
         self.drafter.prefill(*args, **kwargs)
@@ -349,7 +350,7 @@ def test_medusa2_lm_loss_keeps_the_adapted_target_close(tiny_target):
     with torch.no_grad():
         adapted = heads.adapted(input_ids=ids, use_cache=False).last_hidden_state
         again = fresh.adapted(input_ids=ids, use_cache=False).last_hidden_state
-        merged = heads.merged_target(tiny_target)(ids, hidden_layers=(-1,)).hidden[-1]
+        merged = heads.decoding_target(tiny_target)(ids, hidden_layers=(-1,)).hidden[-1]
     assert torch.equal(adapted, again)
     torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(adapted, tiny_target(ids, hidden_layers=(-1,)).hidden[-1])

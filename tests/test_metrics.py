@@ -17,7 +17,7 @@ from decoding.metrics import acceptance_stats, evaluate, greedy_match
 from decoding.rounds import GenerationResult
 from decoding.spec import generate
 from models.draft_lm import DraftLM
-from tests.test_spec import make_target, noisy_copy, prompt_ids, shifted_copy
+from tests.helpers import noisy_copy, prompt_ids, shifted_copy, untied_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_greedy_match():
 
 
 def test_evaluate_perfect_and_wrong_drafts():
-    target = make_target()
+    target = untied_target()
     prompts = [prompt_ids(target, p)[0] for p in ("hello there", "write a poem about the sea")]
     k = 3
     perfect = evaluate(
@@ -100,7 +100,7 @@ def test_evaluate_perfect_and_wrong_drafts():
 def test_evaluate_without_entropy_passes_no_probe(monkeypatch):
     """entropy=False (train/evaluate.py's compiled pass): generate never gets a probe,
     entropy_alpha is None, and the acceptance numbers are those of the run with the probe."""
-    target = make_target()
+    target = untied_target()
     prompts = [prompt_ids(target, p)[0] for p in ("hello there", "a poem")]
     drafter = DraftLMDrafter(noisy_copy(target.model, 0.8))
     kw = dict(k=3, max_new_tokens=12, warmup=0, eos_token_ids=[])
@@ -149,7 +149,7 @@ def test_drafter_prefill_is_not_a_per_round_cost(monkeypatch):
     clock = TickClock()
     for module in (decoding.rounds, decoding.spec):  # the prefill, and the rounds
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    target = make_target()
+    target = untied_target()
     prompts = [prompt_ids(target, p)[0] for p in ("hello there", "write a poem about the sea")]
     draft = noisy_copy(target.model, 0.3)
     kw = dict(k=3, max_new_tokens=12, warmup=0, eos_token_ids=[])
@@ -183,7 +183,7 @@ def test_checkpoint_evaluation_reports_acceptance_vs_entropy_per_temperature():
 
     from train.evaluate import evaluate_checkpoint
 
-    target = make_target()
+    target = untied_target()
     overrides = ["decode.temperatures=[0.0,0.7,1.0]", "decode.max_new_tokens=16", "decode.k=3"]
     overrides += ["decode.dtype=fp32", "decode.warmup=0"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

@@ -9,14 +9,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
+from tests.helpers import ROOT, compose_debug, metrics_records
+
 STEPS = 4
 COMMON = [
     f"train.steps={STEPS}",
@@ -27,26 +25,12 @@ COMMON = [
 ]
 
 
-def _lines(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_two_ranks_match_one_process_with_same_global_batch(tmp_path):
     from train.loop import run
 
     torch.set_num_threads(1)
     one = tmp_path / "one"
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[
-                "+experiment=debug",
-                f"run_dir={one}",
-                "train.batch_size=4",
-                *COMMON,
-            ],
-        )
-    run(cfg)
+    run(compose_debug(one, "train.batch_size=4", *COMMON))
 
     two = tmp_path / "two"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
@@ -66,8 +50,8 @@ def test_two_ranks_match_one_process_with_same_global_batch(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    ref = [x for x in _lines(one) if x["kind"] == "train"]
-    got = [x for x in _lines(two) if x["kind"] == "train"]
+    ref = [x for x in metrics_records(one) if x["kind"] == "train"]
+    got = [x for x in metrics_records(two) if x["kind"] == "train"]
     # Only the main rank logs: one line per step, not two.
     assert [x["step"] for x in got] == list(range(1, STEPS + 1))
     for a, b in zip(ref, got, strict=True):

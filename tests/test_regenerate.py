@@ -1,8 +1,9 @@
 """Target-regenerated answers (train/data/regenerate.py): equal to the target's greedy
-output, and a cache that resumes after a crash and is keyed by the settings."""
+output, and a cache that resumes after a crash, is keyed by the settings, and keeps the
+default data config's key."""
 
-from tests.test_data import greedy, write_rows
-from train.data.chat import CHAT_TEMPLATES
+from tests.helpers import CONF, greedy_tokens, write_rows
+from train.data.chat import CHAT_TEMPLATES, resolve_chat_template
 from train.data.prepare import prepare_data
 from train.data.regenerate import regenerate
 
@@ -28,7 +29,7 @@ def test_regenerated_answers_are_the_targets_greedy_output(tiny_target, tmp_path
     for ids, mask in zip(data.train["input_ids"], data.train["loss_mask"], strict=True):
         start = mask.index(1) + 1  # first answer token
         assert tiny_target.tokenizer.decode(ids[:start]).endswith("<|im_start|>assistant\n")
-        assert ids[start:] == greedy(tiny_target, ids[:start], 12)
+        assert ids[start:] == greedy_tokens(tiny_target, ids[:start], 12)
         assert sum(mask) == len(ids) - start  # every answer token trained, prompt not
 
 
@@ -67,3 +68,28 @@ def test_regeneration_cache_resumes_and_is_keyed_by_settings(tiny_target, tmp_pa
     assert plain["generated"] == 1 and plain["cache"] != s1["cache"]
     for r in again:
         assert len(r["ids"]) <= 5 and r["finished"] == (r["ids"][-1] in tiny_target.eos_token_ids)
+
+
+def test_default_regeneration_cache_key_is_unchanged(smollm2_tokenizer):
+    """The default data config keys SmolLM2's regeneration cache as before: a change here
+    would silently re-answer the 256 prompts on every machine with a cache."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from train.data.regenerate import _sha, settings_key
+
+    cfg = OmegaConf.load(CONF / "data" / "default.yaml")
+    tok = smollm2_tokenizer
+    assert tok.convert_ids_to_tokens(2) == "<|im_end|>"  # SmolLM2's generation_config EOS
+    target = SimpleNamespace(name="smollm2-135m-instruct", tokenizer=tok, eos_token_ids=[2])
+    key = settings_key(
+        target,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_p,
+        cfg.seed,
+        resolve_chat_template(tok, cfg.chat_template),
+        cfg.regen_dtype,
+    )
+    assert _sha(key) == "fff452cf1ef00c83"

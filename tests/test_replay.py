@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
@@ -19,48 +18,29 @@ from decoding.spec import generate
 from models.draft_lm import DraftLM
 from models.protocol import DraftOutput
 from models.target import Target
-from models.target_loaders import build_tiny_random
-from train.losses import LOSSES
+from tests.helpers import (
+    PROMPTS,
+    TINY_CPU_RUN,
+    chat_ids,
+    compose_train,
+    metrics_records,
+    noisy_copy,
+    untied_target,
+)
+from train.losses import LossSpec
 from train.replay import Replay, make_batch, replay_loss
 from train.rollouts import ReplayBuffer, Rollout, prompt_prefix, record_rounds, rollout
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
-V = 128
 GREEDY = Sampling()
-
-
-def make_target(seed: int = 0) -> Target:
-    """build_tiny_random copies its input greedily (tied x8 embeddings); an untied random
-    head gives varied text (as in tests/test_spec.py)."""
-    target = build_tiny_random(seed=seed, vocab_size=V, device="cpu")
-    model = target.model
-    g = torch.Generator().manual_seed(1000 + seed)
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(
-        torch.randn(V, 64, generator=g) * 0.5, requires_grad=False
-    )
-    with torch.no_grad():
-        model.get_input_embeddings().weight.div_(8.0)
-    return target
 
 
 def noisy_draft(target: Target, noise: float) -> DraftLM:
     """A draft LM = the target with a noisy head: accepts some drafts, rejects others."""
-    model = copy.deepcopy(target.model)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        model.lm_head.weight += noise * torch.randn(model.lm_head.weight.shape, generator=g)
-    return DraftLM(model)
+    return DraftLM(noisy_copy(target.model, noise))
 
 
 def prompts(target: Target) -> list[list[int]]:
-    texts = ["hello there", "write a poem about the sea", "Q: capital of France?"]
-    return [
-        target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": t}], add_generation_prompt=True
-        )["input_ids"]
-        for t in texts
-    ]
+    return [chat_ids(target, t) for t in PROMPTS]
 
 
 def _check_rollouts_against_teacher_forcing(target, draft, rolls) -> tuple[int, int]:
@@ -90,7 +70,7 @@ def _check_rollouts_against_teacher_forcing(target, draft, rolls) -> tuple[int, 
 
 
 def test_recorded_positions_match_decoder_accept_counts():
-    target = make_target()
+    target = untied_target(device="cpu")
     draft = noisy_draft(target, noise=0.6)
     ps = prompts(target)
     rolls = rollout(target, draft, ps, k=4, sampling=GREEDY, max_new_tokens=30, eos_token_ids=[])
@@ -116,7 +96,7 @@ def test_head_draft_positions_use_the_proposing_offset():
     accepted positions read head j = i - 1 at the round's anchor t = q - (j + 1)."""
     from models.medusa import from_target
 
-    target = make_target(seed=1)
+    target = untied_target(seed=1, device="cpu")
     draft = from_target(target, num_heads=3, num_layers=1, head_init="shared")
     rolls = rollout(
         target, copy.deepcopy(draft), prompts(target), k=3, sampling=GREEDY,
@@ -207,9 +187,8 @@ def test_each_stream_gets_its_configured_loss():
         total = total + 2.0 * sum(0.5 ** (i - 1) * fns[rej_name](b, q) for b, q, i in rej)
         return total / 6
 
-    loss, acc_sum, rej_sum = replay_loss(
-        out, target_logits, batch, LOSSES["kl"], LOSSES["tv"], rejected_weight=2.0
-    )
+    kl, tv = (LossSpec.from_settings({"name": n}) for n in ("kl", "tv"))
+    loss, acc_sum, rej_sum = replay_loss(out, target_logits, batch, kl, tv, rejected_weight=2.0)
     torch.testing.assert_close(loss, by_hand("kl", "tv"))
     assert not torch.allclose(loss, by_hand("tv", "kl"))  # a swap would be caught
     assert float(acc_sum) > 0 and float(rej_sum) > 0
@@ -250,29 +229,23 @@ KINDS = {
 
 
 def _compose(run_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(
-            "train",
-            overrides=[
-                "target=tiny_random", "data=tiny", "logger=none", "device=cpu", "name=replay",
-                f"run_dir={run_dir}", "train.steps=4", "train.log_every=2",
-                "train.ckpt_every=4", "train.eval_at_ckpt=false", "decode.k=3",
-                "replay.enabled=true", "replay.every=2", "replay.num_prompts=2",
-                "replay.max_new_tokens=12", "replay.dtype=null", "replay.batch_size=2",
-                *overrides,
-            ],
-        )  # fmt: skip
+    return compose_train(
+        *TINY_CPU_RUN, "name=replay",
+        f"run_dir={run_dir}", "train.steps=4", "train.log_every=2",
+        "train.ckpt_every=4", "train.eval_at_ckpt=false", "decode.k=3",
+        "replay.enabled=true", "replay.every=2", "replay.num_prompts=2",
+        "replay.max_new_tokens=12", "replay.dtype=null", "replay.batch_size=2",
+        *overrides,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_replay_runs_end_to_end_for_every_draft_kind(tmp_path, kind):
-    import json
-
     from train.checkpoint import load_checkpoint
     from train.loop import run
 
     run(_compose(tmp_path, f"draft={kind}", *KINDS[kind]))
-    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recs = metrics_records(tmp_path)
     assert [r["step"] for r in recs] == [2, 4]
     for r in recs:
         assert r["replay/buffer_size"] == (2 if r["step"] == 2 else 4)  # rollouts at 0 and 2

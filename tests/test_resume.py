@@ -1,6 +1,5 @@
 """SIGKILL mid-training, resume, and land on exactly the losses of an uninterrupted run."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
+from tests.helpers import ROOT, compose_debug, metrics_records
 from train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -19,8 +18,6 @@ from train.checkpoint import (
     resume_checkpoint,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 STEPS = 40
 COMMON = [
     f"train.steps={STEPS}",
@@ -32,21 +29,11 @@ COMMON = [
 
 
 def _compose(run_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(
-            "train",
-            overrides=[
-                "+experiment=debug",
-                f"run_dir={run_dir}",
-                *COMMON,
-                *overrides,
-            ],
-        )
+    return compose_debug(run_dir, *COMMON, *overrides)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {x["step"]: x["loss"] for x in lines if x["kind"] == "train"}
+    return {x["step"]: x["loss"] for x in metrics_records(run_dir) if x["kind"] == "train"}
 
 
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path):

@@ -6,100 +6,39 @@ DRAFTLAB_TEST_DEVICE=cuda runs these on a GPU (scripts/gpu_check.sh).
 
 from __future__ import annotations
 
-import copy
-import os
-
 import pytest
 import torch
-from scipy.stats import chi2
-from transformers import GenerationConfig
 
 from decoding.drafter import Sampling
 from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.spec import generate
-from decoding.verify import sampling_probs
 from models.target import Target
 from models.target_loaders import build_tiny_random
+from tests.helpers import (
+    DEVICE,
+    N_SINGLE,
+    NO_EOS,
+    P_THRESHOLD,
+    PROMPTS,
+    V,
+    exact_triples,
+    g_test,
+    hf_greedy,
+    left_pad,
+    noisy_copy,
+    prompt_ids,
+    shifted_copy,
+    untied_target,
+)
 
-DEVICE = os.environ.get("DRAFTLAB_TEST_DEVICE", "cpu")
-V = 128
-NO_EOS: list[int] = []
-
-
-def make_target(seed: int = 0) -> Target:
-    """build_tiny_random's greedy output is one token repeated (its tied, x8 embeddings make
-    it copy its input); an untied random head gives varied text and a spread distribution."""
-    target = build_tiny_random(seed=seed, vocab_size=V, device="cpu")
-    model = target.model
-    g = torch.Generator().manual_seed(1000 + seed)
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(
-        torch.randn(V, 64, generator=g) * 0.5, requires_grad=False
-    )
-    with torch.no_grad():
-        model.get_input_embeddings().weight.div_(8.0)
-    return target.to(DEVICE)
-
-
-def noisy_copy(model: torch.nn.Module, noise: float, seed: int = 7) -> torch.nn.Module:
-    """A draft LM that mostly agrees with the target: its head plus Gaussian noise."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        w = draft.lm_head.weight
-        draft.lm_head.weight = torch.nn.Parameter(
-            w + noise * torch.randn(w.shape, generator=g).to(w), requires_grad=False
-        )
-    return draft
-
-
-def shifted_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A draft whose logits are the target's rolled by one id: its argmax is never the target's."""
-    draft = copy.deepcopy(model)
-    with torch.no_grad():
-        draft.lm_head.weight = torch.nn.Parameter(
-            draft.lm_head.weight.roll(1, 0), requires_grad=False
-        )
-    return draft
-
-
-def prompt_ids(target: Target, text: str) -> torch.Tensor:
-    ids = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True
-    )["input_ids"]
-    return torch.tensor([ids], device=DEVICE)
-
-
-PROMPTS = ["hello there", "write a poem about the sea", "Q: capital of France?"]
-
-
-def hf_greedy(target: Target, ids: torch.Tensor, n: int, eos: list[int]) -> list[int]:
-    """Reference: transformers' own greedy decoding of one unpadded prompt."""
-    cfg = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=n,
-        min_new_tokens=0,
-        eos_token_id=eos or None,
-        pad_token_id=target.tokenizer.pad_token_id,
-    )
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-    return out[0, ids.shape[1] :].tolist()
-
-
-def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(r.shape[1] for r in rows)
-    ids = torch.full((len(rows), T), pad, device=DEVICE)
-    mask = torch.zeros((len(rows), T), dtype=torch.long, device=DEVICE)
-    for b, r in enumerate(rows):
-        ids[b, T - r.shape[1] :] = r[0]
-        mask[b, T - r.shape[1] :] = 1
-    return ids, mask
+# tests/test_dflash.py imports make_target from here (tests.helpers.untied_target).
+make_target = untied_target
 
 
 @pytest.fixture(scope="module")
 def target() -> Target:
-    return make_target()
+    return untied_target()
 
 
 @pytest.fixture(scope="module")
@@ -276,41 +215,7 @@ def test_bad_prompt_and_vocab_raise(target):
 # ---------------------------------------------------------------------------------------
 
 N_SAMPLES = 1000  # the power check (one generate call)
-N_SINGLE = 400  # one generate call per sample (~25 ms each on this CPU)
 N_BATCH = 4  # rows per call in the batched check, N_SINGLE rows in all
-P_THRESHOLD = 1e-3  # seeded, so deterministic; a correct sampler fails this 0.1% of seeds
-
-
-def exact_triples(target: Target, ids: torch.Tensor, sampling: Sampling, min_p: float) -> dict:
-    """P(t1, t2, t3) for every triple with probability >= min_p, from batched forwards."""
-    p1 = sampling_probs(target(ids).logits[0, -1], sampling)  # [V]
-    seq1 = torch.cat([ids.expand(V, -1), torch.arange(V, device=DEVICE)[:, None]], 1)  # [V, T+1]
-    pair = p1[:, None] * sampling_probs(target(seq1).logits[:, -1], sampling)  # [V, V]
-    idx = (pair >= min_p).nonzero()  # [P, 2]
-    seq2 = torch.cat([ids.expand(len(idx), -1), idx], 1)  # [P, T+2]
-    p3 = sampling_probs(target(seq2).logits[:, -1], sampling)  # [P, V]
-    joint = pair[idx[:, 0], idx[:, 1]][:, None] * p3  # [P, V]
-    table = {}
-    for (a, b), row in zip(idx.tolist(), joint.tolist()):
-        for c, p in enumerate(row):
-            if p >= min_p:
-                table[(a, b, c)] = p
-    return table
-
-
-def g_test(samples: list[tuple[int, int, int]], table: dict) -> float:
-    counts = dict.fromkeys(table, 0)
-    other = 0
-    for s in samples:
-        if s in counts:
-            counts[s] += 1
-        else:
-            other += 1
-    n = len(samples)
-    observed = list(counts.values()) + [other]
-    expected = [n * p for p in table.values()] + [n * (1 - sum(table.values()))]
-    g = 2 * sum(o * torch.tensor(o / e).log().item() for o, e in zip(observed, expected) if o > 0)
-    return float(chi2.sf(g, df=len(observed) - 1))
 
 
 @pytest.mark.parametrize(

@@ -34,14 +34,14 @@ from decoding.tree import (
 )
 from decoding.verify import node_depths
 from models import eagle, medusa
-from tests.test_spec import (
+from tests.helpers import (
     PROMPTS,
     exact_triples,
     g_test,
     hf_greedy,
     left_pad,
-    make_target,
     prompt_ids,
+    untied_target,
 )
 
 torch.set_num_threads(1)
@@ -56,7 +56,7 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def target():
-    return make_target()
+    return untied_target()
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +169,7 @@ class OracleTreeDrafter:
     and stop at random depths."""
 
     hidden_layers = ()
+    vocab_size = None  # any target's
 
     def __init__(self, ref: list[int], miss: float, seed: int = 0):
         self.ref, self.miss, self.rng = ref, miss, random.Random(seed)
@@ -418,7 +419,7 @@ def test_checkpoint_evaluation_uses_the_configured_tree(target, decode, kind):
         cfg = compose("train", overrides=[*overrides, "decode.dtype=fp32"])
     draft = medusa.from_target(target) if kind == "medusa" else build_eagle(target)
     prompts = [{"input_ids": prompt_ids(target, p)[0].tolist()} for p in PROMPTS]
-    result, _ = evaluate_checkpoint(target, draft, prompts, cfg, proxy=None)
+    result, _ = evaluate_checkpoint(target, draft, prompts, cfg, last_train=None)
     assert result["greedy/tree"]["kind"] == cfg.decode.tree.kind
     assert 0 < result["greedy/tree_size"] <= 16 and result["T1/tree_size"] > 0
     assert result["greedy/greedy_exact_match"] == 1.0

@@ -3,6 +3,8 @@
 Layout of `<run_dir>/checkpoints/step_00000100/`:
     draft.safetensors   draft.state_dict() (trained weights + buffers such as d2t/t2d)
     draft.yaml          the resolved cfg.draft (reload = instantiate + load_state_dict(strict))
+    config.yaml         the resolved run config it was trained with (scripts/evaluate.py reads it,
+                        so a copied checkpoint folder evaluates on its own)
     trainer_state.pt    step, data position, optimizer, scheduler, RNG states of every rank
     meta.json           step, loss, wall time (for humans and notebooks)
 
@@ -117,8 +119,10 @@ def save_checkpoint(
     trainer_state: dict,
     keep_last: int,
     meta: dict | None = None,
+    config_yaml: str | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically, then keep only the newest `keep_last`."""
+    """Write checkpoint `step` atomically, then keep only the newest `keep_last`.
+    `config_yaml`: the resolved run config, saved beside the weights."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -128,6 +132,8 @@ def save_checkpoint(
     try:
         save_tensors(draft_state, tmp / "draft.safetensors")
         (tmp / "draft.yaml").write_text(draft_cfg_yaml)
+        if config_yaml is not None:
+            (tmp / "config.yaml").write_text(config_yaml)
         torch.save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, indent=2))
         for f in tmp.iterdir():
@@ -278,3 +284,60 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainer_state(
+    step: int,
+    rows_per_step: int,
+    world_size: int,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rng_all: list[dict],
+    replay_all: list[dict] | None,
+    train_s: float,
+) -> dict:
+    """What `restore_trainer_state` needs to continue a run exactly: the step and data
+    position, optimizer and LR schedule, every rank's RNG states and replay buffers, and the
+    training seconds spent (a time budget's clock)."""
+    return {
+        "step": step,
+        "rows_consumed": step * rows_per_step,
+        "world_size": world_size,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_all,  # one entry per rank
+        "replay": replay_all,  # every rank's buffer
+        "train_s": train_s,
+    }
+
+
+def restore_trainer_state(
+    path: Path,
+    draft: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    replay,  # train.replay.Replay | None
+    rank: int,
+    world_size: int,
+    sharded: bool = False,
+) -> tuple[int, float]:
+    """Load checkpoint `path` into the draft (strict), optimizer, scheduler, this rank's RNG
+    and replay buffer. -> (step, training seconds spent)."""
+    if sharded:
+        raise NotImplementedError(
+            "resume=true under FSDP is not supported: the checkpoint holds the main rank's "
+            "optimizer shard only. Resume with DDP (conf/accelerate/ddp.yaml) or start afresh."
+        )
+    draft_state, _, state = load_checkpoint(path)
+    if state["world_size"] != world_size:
+        raise ValueError(
+            f"{path} was written by {state['world_size']} processes; "
+            f"resume with the same number (got {world_size})"
+        )
+    draft.load_state_dict(draft_state, strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"][rank])
+    if replay is not None and state.get("replay"):
+        replay.load_state_dict(state["replay"][rank])
+    return state["step"], state.get("train_s", 0.0)

@@ -102,7 +102,7 @@ def evaluate_checkpoint(
     draft: torch.nn.Module,
     eval_prompts: list[dict],
     cfg: DictConfig,
-    proxy: dict | None,
+    last_train: dict | None,  # the newest train record: its simulated tau per sampling
     target_eval: DecodeCopies | None = None,
 ) -> tuple[dict, DecodeCopies]:
     """-> (flat JSON-able metrics, the decoding copies to reuse at the next checkpoint)."""
@@ -117,11 +117,7 @@ def evaluate_checkpoint(
     draft_eval = draft_decode_copy(draft, dtype)
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
-    decode_target = (
-        draft_eval.merged_target(target_eval.target)
-        if hasattr(draft_eval, "merged_target")
-        else target_eval.target
-    )
+    decode_target = draft_eval.decoding_target(target_eval.target)
     drafter = make_drafter(draft_eval, decode_target)
     num = dec.get("num_prompts") or len(eval_prompts)
     if not eval_prompts:
@@ -161,8 +157,8 @@ def evaluate_checkpoint(
         # The proxy computed at this very sampling; absent from train records written
         # before this temperature was configured (a resumed run), and then not reported.
         predicted = None
-        if proxy is not None:
-            predicted = proxy.get("sim_tau_greedy" if sampling.greedy else f"sim_tau_{tag}")
+        if last_train is not None:
+            predicted = last_train.get("sim_tau_greedy" if sampling.greedy else f"sim_tau_{tag}")
         if predicted is not None:
             result[f"{tag}/proxy_tau"] = predicted
             result[f"{tag}/proxy_error"] = predicted - m["tau"]

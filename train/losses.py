@@ -25,16 +25,14 @@ finite minimum before any product, so 0 * (-inf) never appears and gradients sta
 One exception is real, not numerical: KL(q || p) is +inf when the draft puts mass where a
 truncated target has none; use kl or tv against top-k-truncated target logits.
 
-Acceptance proxies (`acceptance_proxy`, `top1_agreement`) measure what the decoder sees, not
-what the loss sees: p is the target's FULL-vocabulary distribution after the decode's
-temperature / top-k / top-p, and with a reduced draft vocabulary the sum runs over the draft
-ids with that un-renormalised p (a token outside the draft vocabulary is always rejected).
+The acceptance statistics logged beside the losses (`acceptance_proxy`, `top1_agreement`,
+`simulated_tau`) are in train/acceptance.py.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -44,10 +42,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from decoding.drafter import Sampling
-from decoding.verify import sampling_probs
-
-DEFAULT_CHUNK = 1024  # positions per chunk: 1024 x 49152 fp32 = 200 MB per temporary
-PLAIN_SAMPLING = Sampling(temperature=1.0)  # temperature 1, no top-k / top-p
+from train.acceptance import DEFAULT_CHUNK, accept_rows, acceptance_proxy, check_logits
 
 
 def _log_probs(logits: Tensor, temperature: float) -> Tensor:
@@ -74,19 +69,6 @@ def _tv_rows(draft: Tensor, target: Tensor, temperature: float) -> Tensor:
 
 def _ce_rows(draft: Tensor, labels: Tensor, temperature: float) -> Tensor:
     return -_log_probs(draft, temperature).gather(-1, labels.long()).squeeze(-1)  # [n]
-
-
-def _check(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float) -> None:
-    if draft_logits.shape != target_logits.shape or draft_logits.dim() != 2:
-        raise ValueError(
-            f"draft_logits {tuple(draft_logits.shape)} and target_logits "
-            f"{tuple(target_logits.shape)} must both be [N, V] with the same V; restrict the "
-            "target to the draft's vocab_ids before calling a loss"
-        )
-    if mask.shape != draft_logits.shape[:1]:
-        raise ValueError(f"mask {tuple(mask.shape)} must be [N] = [{draft_logits.shape[0]}]")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
 def _masked_reduce(
@@ -127,7 +109,7 @@ def forward_kl(
     reduction: str = "mean",
 ) -> Tensor:
     """KL(p || q) = sum_x p log(p / q), p = target, q = draft: mode-covering."""
-    _check(draft_logits, target_logits, mask, temperature)
+    check_logits(draft_logits, target_logits, mask, temperature)
     rows_fn = partial(_forward_kl_rows, temperature=temperature)
     return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
@@ -141,7 +123,7 @@ def reverse_kl(
     reduction: str = "mean",
 ) -> Tensor:
     """KL(q || p) = sum_x q log(q / p): mode-seeking."""
-    _check(draft_logits, target_logits, mask, temperature)
+    check_logits(draft_logits, target_logits, mask, temperature)
     rows_fn = partial(_reverse_kl_rows, temperature=temperature)
     return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
@@ -157,7 +139,7 @@ def total_variation(
     """TV(p, q) = 1/2 sum_x |p - q| = 1 - sum_x min(p, q): exactly 1 - expected acceptance
     with a full vocabulary (a reduced one renormalises p over the draft ids; the TV family
     below uses the decoder's p)."""
-    _check(draft_logits, target_logits, mask, temperature)
+    check_logits(draft_logits, target_logits, mask, temperature)
     rows_fn = partial(_tv_rows, temperature=temperature)
     return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
@@ -172,89 +154,13 @@ def cross_entropy(
     reduction: str = "mean",
 ) -> Tensor:
     """-log q(y) with y the data's next token (`labels`) or the target's greedy token."""
-    _check(draft_logits, target_logits, mask, temperature)
+    check_logits(draft_logits, target_logits, mask, temperature)
     if labels is None:
         labels = target_logits.argmax(-1)  # [N]
     if labels.shape != mask.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must match mask {tuple(mask.shape)}")
     rows_fn = partial(_ce_rows, temperature=temperature)
     return _masked_reduce(rows_fn, draft_logits, (labels[:, None],), mask, chunk_size, reduction)
-
-
-@torch.no_grad()
-def sampling_cutoffs(
-    target_logits: Tensor,  # [N, V] the FULL target vocabulary
-    sampling: Sampling,
-    chunk_size: int = 256,  # top-p sorts [chunk, V] with int64 indices: keep it small
-) -> Tensor:
-    """[N, 2] per row (cut, lse) such that the decoder's p = sampling_probs(logits, sampling)
-    is p(x) = exp(z_x - lse) where z_x >= cut, else 0, with z = logits / temperature.
-    Two numbers per position stand for p over the whole vocabulary, so p at any subset of
-    ids (a reduced draft vocabulary, each draft offset) costs no second pass over V.
-    Equal to sampling_probs except that a top-p boundary inside a tie of equal logits keeps
-    every tied token (sampling_probs keeps those its sort puts first)."""
-    if sampling.greedy:
-        raise ValueError("greedy decoding has no sampling distribution; use top1_agreement")
-    out = []
-    for start in range(0, target_logits.shape[0], chunk_size):
-        z = target_logits[start : start + chunk_size].float() / sampling.temperature  # [n, V]
-        cut = z.new_full(z.shape[:1], float("-inf"))  # [n]
-        if 0 < sampling.top_k < z.shape[-1]:
-            cut = z.topk(sampling.top_k, dim=-1).values[:, -1]
-        if sampling.top_p < 1.0:
-            # As sampling_probs: keep the sorted prefix whose mass before each token < top_p.
-            ordered = z.masked_fill(z < cut[:, None], float("-inf")).sort(-1, descending=True)
-            probs = ordered.values.softmax(-1)  # [n, V]
-            kept = ((probs.cumsum(-1) - probs) < sampling.top_p).sum(-1)  # [n] >= 1
-            cut = torch.maximum(cut, ordered.values.gather(-1, (kept - 1)[:, None])[:, 0])
-        if sampling.top_k or sampling.top_p < 1.0:
-            z = z.masked_fill(z < cut[:, None], float("-inf"))
-        lse = z.logsumexp(-1)  # [n]
-        out.append(torch.stack([cut, lse], -1))
-    return torch.cat(out) if out else target_logits.new_zeros(0, 2, dtype=torch.float32)
-
-
-def _accept_rows(draft: Tensor, target: Tensor, cutoffs: Tensor, sampling: Sampling) -> Tensor:
-    q = sampling_probs(draft, sampling)  # [n, Vd] the drafter's q, over its own vocabulary
-    z = target.float() / sampling.temperature  # [n, Vd] the target at the draft ids
-    cut, lse = cutoffs[:, :1], cutoffs[:, 1:]
-    p = torch.where(z >= cut, (z - lse).exp(), 0.0)  # [n, Vd] full-vocabulary p, not renormalised
-    return torch.minimum(p, q).sum(-1)  # [n] expected acceptance of one drafted token
-
-
-@torch.no_grad()
-def acceptance_proxy(
-    draft_logits: Tensor,  # [N, Vd]
-    target_logits: Tensor,  # [N, Vd] the target at the draft's ids (all of V for a full vocab)
-    mask: Tensor,  # [N]
-    sampling: Sampling = PLAIN_SAMPLING,
-    cutoffs: Tensor | None = None,  # [N, 2] sampling_cutoffs of the FULL-vocabulary target
-    chunk_size: int = DEFAULT_CHUNK,
-    reduction: str = "mean",
-) -> Tensor:
-    """Training proxy alpha = mean over positions of sum_x min(p(x), q(x)): the probability
-    that one drafted token is accepted by rejection sampling under `sampling` (temperature,
-    top-k, top-p applied to both p and q, as the verifier does). The sum runs over the
-    draft's ids with p the target's full-vocabulary distribution, so a reduced draft
-    vocabulary needs `cutoffs` from the full target logits; without them, target_logits
-    must be the full vocabulary. At temperature 1 with no truncation and a full vocabulary
-    this is 1 - TV(p, q)."""
-    _check(draft_logits, target_logits, mask, sampling.temperature)
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    if cutoffs is None:
-        cutoffs = sampling_cutoffs(target_logits, sampling)
-    if cutoffs.shape != (draft_logits.shape[0], 2):
-        raise ValueError(
-            f"cutoffs {tuple(cutoffs.shape)} must be [N, 2] = [{draft_logits.shape[0]}, 2]"
-        )
-    keep = mask.bool()
-    d, t, c = draft_logits[keep], target_logits[keep], cutoffs[keep]
-    total = torch.zeros((), dtype=torch.float32, device=draft_logits.device)
-    for start in range(0, d.shape[0], chunk_size):
-        end = start + chunk_size
-        total += _accept_rows(d[start:end], t[start:end], c[start:end], sampling).sum()
-    return total if reduction == "sum" else total / max(int(keep.sum()), 1)
 
 
 def _check_log_norm(target_log_norm: Tensor | None, mask: Tensor) -> None:
@@ -266,7 +172,7 @@ def _check_log_norm(target_log_norm: Tensor | None, mask: Tensor) -> None:
 
 
 def _decoder_cutoffs(target: Tensor, log_norm: Tensor | None, temperature: float) -> Tensor:
-    """[n, 2] (cut, lse) for _accept_rows at the loss temperature, no top-k / top-p: p at the
+    """[n, 2] (cut, lse) for accept_rows at the loss temperature, no top-k / top-p: p at the
     draft ids is exp(z - lse) with lse the FULL target row's logsumexp (`log_norm`), or this
     row's own when log_norm is None (the target logits are the full vocabulary)."""
     if log_norm is None:
@@ -281,7 +187,7 @@ def _alpha_rows(
     """[n] alpha = sum over the draft ids of min(p, q) as the decoder sees it, differentiable
     in the draft logits (the same maths as acceptance_proxy)."""
     cutoffs = _decoder_cutoffs(target, log_norm, temperature)
-    return _accept_rows(draft, target, cutoffs, Sampling(temperature=temperature))
+    return accept_rows(draft, target, cutoffs, Sampling(temperature=temperature))
 
 
 def _lk_lambda_rows(
@@ -341,7 +247,7 @@ def lk_lambda(
     call's positions (SpecForge's lk_loss), i.e. one offset of one micro-batch on one rank.
     alpha and TV are the decoder's (module docstring); KL(p || q) renormalises p over the
     draft ids, as `kl`."""
-    _check(draft_logits, target_logits, mask, temperature)
+    check_logits(draft_logits, target_logits, mask, temperature)
     _check_log_norm(target_log_norm, mask)
     if eta < 0:
         raise ValueError(f"loss.eta must be >= 0 (0 = pure forward KL), got {eta}")
@@ -373,7 +279,7 @@ def lk_alpha(
     probability. Its gradient is grad(TV) / alpha: TV's direction, with the 1 / alpha factor
     that keeps it from vanishing while alpha is small (from scratch). Against a one-hot
     target it is cross-entropy."""
-    _check(draft_logits, target_logits, mask, temperature)
+    check_logits(draft_logits, target_logits, mask, temperature)
     _check_log_norm(target_log_norm, mask)
     rows_fn = partial(_lk_alpha_rows, temperature=temperature)
     rows = (target_logits, target_log_norm)
@@ -397,7 +303,7 @@ def ce_tv_mix(
     hard-label CE (the data's tokens) and L1 = sum |p - q| = 2 TV, hence tv_weight = 1.8.
     CE is `cross_entropy`'s (labels, or the target's argmax over the draft ids); TV = 1 -
     alpha is the decoder's (module docstring)."""
-    _check(draft_logits, target_logits, mask, temperature)
+    check_logits(draft_logits, target_logits, mask, temperature)
     _check_log_norm(target_log_norm, mask)
     if ce_weight < 0 or tv_weight < 0:
         raise ValueError(
@@ -414,70 +320,99 @@ def ce_tv_mix(
     return _masked_reduce(rows_fn, draft_logits, rows, mask, chunk_size, reduction)
 
 
-@torch.no_grad()
-def top1_agreement(
-    draft_logits: Tensor,  # [N, Vd]
-    target_tokens: Tensor,  # [N] long: argmax of the FULL-vocabulary target logits
-    mask: Tensor,  # [N]
-    vocab_ids: Tensor | None = None,  # [Vd] target id of each draft id; None = full vocabulary
-    reduction: str = "mean",
-) -> Tensor:
-    """Greedy proxy: fraction of positions where the draft's argmax, as a target id, is the
-    target's argmax over its whole vocabulary (greedy acceptance). A position whose target
-    argmax lies outside a reduced draft vocabulary is a miss, as in the decoder."""
-    if target_tokens.shape != mask.shape or draft_logits.shape[:1] != mask.shape:
-        raise ValueError(
-            f"draft_logits {tuple(draft_logits.shape)}, target_tokens "
-            f"{tuple(target_tokens.shape)} and mask {tuple(mask.shape)} must be [N, Vd], [N] "
-            "and [N]; pass the target's argmax token ids, not its logits"
-        )
-    keep = mask.bool()
-    drafted = draft_logits[keep].argmax(-1)  # [M] draft ids
-    if vocab_ids is not None:
-        drafted = vocab_ids.to(drafted.device)[drafted]  # [M] target ids
-    same = (drafted == target_tokens[keep]).float().sum()
-    return same if reduction == "sum" else same / max(int(keep.sum()), 1)
+@dataclass(frozen=True)
+class Loss:
+    """A registered loss and what it needs from its caller, declared here once: the training
+    step, replay and the start-up checks read these fields, never the function's signature."""
+
+    fn: Callable[..., Tensor]
+    options: tuple[str, ...] = ()  # its own settings in conf/loss/<name>.yaml (LK's eta, ...)
+    takes_labels: bool = False  # hard labels: loss.labels=data passes the data's next tokens
+    # alpha over the target's FULL-vocabulary p: the caller passes `target_log_norm`, which a
+    # replay batch does not carry
+    full_vocab_alpha: bool = False
+
+    def __call__(self, *args, **kwargs) -> Tensor:
+        return self.fn(*args, **kwargs)
 
 
-def simulated_tau(alphas: list[float], k: int) -> float:
-    """tau = 1 + sum_{i<=k} prod_{j<=i} alpha_j; offsets beyond the list reuse the last alpha
-    (a draft LM predicts offset 1 only and is chained k times)."""
-    if not alphas:
-        raise ValueError("simulated_tau needs at least one alpha")
-    tau, run = 1.0, 1.0
-    for i in range(k):
-        run *= alphas[min(i, len(alphas) - 1)]
-        tau += run
-    return tau
-
-
-LOSSES: dict[str, Callable[..., Tensor]] = {
-    "ce": cross_entropy,
-    "kl": forward_kl,
-    "rkl": reverse_kl,
-    "tv": total_variation,
-    "lk": lk_lambda,
-    "lk_alpha": lk_alpha,
-    "dspark": ce_tv_mix,
+LOSSES: dict[str, Loss] = {
+    "ce": Loss(cross_entropy, takes_labels=True),
+    "kl": Loss(forward_kl),
+    "rkl": Loss(reverse_kl),
+    "tv": Loss(total_variation),
+    "lk": Loss(lk_lambda, options=("eta", "alpha_mode"), full_vocab_alpha=True),
+    "lk_alpha": Loss(lk_alpha, full_vocab_alpha=True),
+    "dspark": Loss(
+        ce_tv_mix, options=("ce_weight", "tv_weight"), takes_labels=True, full_vocab_alpha=True
+    ),
 }
 
-# What the caller passes itself, never from a loss config.
-_CALL_ARGS = ("draft_logits", "target_logits", "mask", "temperature", "labels", "target_log_norm")
 
-
-def loss_options(loss_fn: Callable[..., Tensor], settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword options a loss config (conf/loss/*.yaml) sets for `loss_fn`: every key but
-    name, temperature and labels, which the caller handles. A key the loss does not take is
-    an error that lists the ones it does."""
+def loss_options(loss: Loss, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword options a loss config (conf/loss/*.yaml) sets for `loss`: every key but
+    name, temperature and labels, which the caller handles. A key the loss does not declare
+    is an error that lists the ones it does."""
     options = {k: v for k, v in settings.items() if k not in ("name", "temperature", "labels")}
-    params = inspect.signature(loss_fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # a wrapper: it takes anything
-        return options
-    takes = [name for name in params if name not in (*_CALL_ARGS, "reduction")]
-    unknown = sorted(set(options) - set(takes))
+    unknown = sorted(set(options) - set(loss.options))
     if unknown:
         raise ValueError(
             f"loss.{unknown[0]} is not an option of loss {settings.get('name')!r}; "
-            f"its options are {takes}"
+            f"its options are {list(loss.options)}"
         )
     return options
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """cfg.loss resolved and checked once, then used by the offline step, replay and the
+    start-up checks alike (one rule for what a loss needs)."""
+
+    name: str
+    loss: Loss
+    temperature: float = 1.0
+    labels_from_data: bool = False  # loss.labels=data: the data's next token, not the target
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> LossSpec:
+        """From a loss config (name, temperature, labels, the loss's own options); a
+        ValueError that names the bad key."""
+        name = settings.get("name")
+        if name not in LOSSES:
+            raise ValueError(f"loss.name={name!r} is not one of {sorted(LOSSES)}")
+        loss = LOSSES[name]
+        temperature = float(settings.get("temperature", 1.0))
+        if not temperature > 0:
+            raise ValueError(f"loss.temperature must be > 0, got {temperature}")
+        labels = settings.get("labels", "target")
+        if labels not in ("target", "data"):
+            raise ValueError(f"loss.labels must be 'target' or 'data', got {labels!r}")
+        if labels == "data" and not loss.takes_labels:
+            raise ValueError(
+                f"loss.labels=data but loss {name!r} takes no labels; "
+                f"losses that do: {sorted(n for n, spec in LOSSES.items() if spec.takes_labels)}"
+            )
+        options = loss_options(loss, settings)
+        return cls(name, loss, temperature, labels == "data", options)
+
+    def sum(
+        self,
+        draft_logits: Tensor,  # [N, Vd]
+        target_logits: Tensor,  # [N, Vd]
+        mask: Tensor,  # [N]
+        labels: Tensor | None = None,  # [N] the data's next tokens (labels_from_data)
+        target_log_norm: Tensor | None = None,  # [N] full-vocabulary logsumexp (full_vocab_alpha)
+    ) -> Tensor:
+        """The masked SUM of the loss over positions, with what this loss declares it needs."""
+        kwargs = dict(self.options)
+        if self.loss.full_vocab_alpha:
+            kwargs["target_log_norm"] = target_log_norm
+        if self.labels_from_data:
+            if labels is None:
+                raise ValueError(f"loss {self.name!r} with labels=data needs the data's labels")
+            kwargs["labels"] = labels
+        return self.loss.fn(
+            draft_logits, target_logits, mask, temperature=self.temperature, reduction="sum",
+            **kwargs,
+        )  # fmt: skip

@@ -45,7 +45,7 @@ from models.dtypes import resolve_dtype
 from models.protocol import DraftOutput
 from models.target import Target
 from train.evaluate import decode_copy, draft_decode_copy
-from train.losses import LOSSES
+from train.losses import LOSSES, LossSpec
 from train.rollouts import ReplayBuffer, Rollout, prompt_prefix, rollout
 
 
@@ -107,16 +107,14 @@ def gather_stream(
     return groups
 
 
-def stream_loss_sum(
-    loss_fn, groups: list[tuple[Tensor, Tensor, Tensor]], temperature: float
-) -> Tensor | None:
-    """sum over positions of weight * loss_fn (losses take a 0/1 mask: one call per weight)."""
+def stream_loss_sum(loss: LossSpec, groups: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor | None:
+    """sum over positions of weight * loss (losses take a 0/1 mask: one call per weight)."""
     total = None
     for d, t, w in groups:
         for value in torch.unique(w).tolist():
             sel = w == value
             ones = torch.ones(int(sel.sum()), device=d.device)
-            part = value * loss_fn(d[sel], t[sel], ones, temperature=temperature, reduction="sum")
+            part = value * loss.sum(d[sel], t[sel], ones)
             total = part if total is None else total + part
     return total
 
@@ -125,15 +123,14 @@ def replay_loss(
     out: DraftOutput,
     target_logits: Tensor,  # [B, T, V]
     batch: dict[str, Tensor],
-    accepted_fn,
-    rejected_fn,
-    temperature: float = 1.0,
+    accepted: LossSpec,
+    rejected: LossSpec,
     rejected_weight: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(accepted_sum + rejected_weight * rejected_sum) / positions, and the two stream sums
     (detached) for logging. Each sum is over weighted positions of its own stream."""
-    acc = stream_loss_sum(accepted_fn, gather_stream(out, target_logits, batch, "acc"), temperature)
-    rej = stream_loss_sum(rejected_fn, gather_stream(out, target_logits, batch, "rej"), temperature)
+    acc = stream_loss_sum(accepted, gather_stream(out, target_logits, batch, "acc"))
+    rej = stream_loss_sum(rejected, gather_stream(out, target_logits, batch, "rej"))
     n = len(batch["acc_pos"]) + len(batch["rej_pos"])
     loss = out.logits[0].sum() * 0.0  # keeps the graph connected when a stream is empty
     zero = loss.detach()
@@ -141,6 +138,22 @@ def replay_loss(
     rej = zero if rej is None else rej
     loss = loss + (acc + rejected_weight * rej) / max(n, 1)
     return loss, acc.detach(), rej.detach()
+
+
+def _replay_loss(key: str, name: str, temperature: float) -> LossSpec:
+    """replay.accepted_loss / rejected_loss as a LossSpec at the loss temperature. A loss
+    whose alpha needs the target's full-vocabulary distribution (`full_vocab_alpha`) is
+    refused: a replay batch gathers the target at the draft's ids only."""
+    if name not in LOSSES:
+        raise ValueError(f"replay.{key}={name!r} is not one of {sorted(LOSSES)}")
+    spec = LossSpec.from_settings({"name": name, "temperature": temperature})
+    if spec.loss.full_vocab_alpha:
+        raise ValueError(
+            f"replay.{key}={name!r}: this loss computes alpha over the target's "
+            "full-vocabulary distribution, which a replay batch does not carry; use a loss "
+            "without it (kl, rkl, tv or ce) for replay"
+        )
+    return spec
 
 
 class Replay:
@@ -173,15 +186,10 @@ class Replay:
         top_p: float = 1.0,
         dtype: str | None = None,
     ):
-        for name, value in (("accepted_loss", accepted_loss), ("rejected_loss", rejected_loss)):
-            if value not in LOSSES:
-                raise ValueError(f"replay.{name}={value!r} is not one of {sorted(LOSSES)}")
-            if value in ("lk", "lk_alpha", "dspark"):  # their alpha needs the full-vocabulary p
-                raise ValueError(
-                    f"replay.{name}={value!r}: the LK / DSpark losses compute alpha over the "
-                    "target's full-vocabulary distribution (and take loss.* settings), which a "
-                    "replay batch does not carry; use kl, rkl, tv or ce for replay"
-                )
+        self.accepted, self.rejected = (
+            _replay_loss(name, value, loss_temperature)
+            for name, value in (("accepted_loss", accepted_loss), ("rejected_loss", rejected_loss))
+        )
         if not 0.0 <= ratio < 1.0:
             raise ValueError(
                 f"replay.ratio is the replay share of the loss, in [0, 1); got {ratio}"
@@ -197,10 +205,9 @@ class Replay:
             raise ValueError("replay needs training rows with a trained (assistant) part")
         self.prompts, self.offsets, self.pad_token_id = prompts, list(offsets), pad_token_id
         self.seed, self.rank = seed, rank
-        self.loss_temperature, self.every, self.ratio = loss_temperature, every, ratio
+        self.every, self.ratio = every, ratio
         self.batch_size, self.num_prompts, self.k = batch_size, num_prompts, k
         self.max_new_tokens, self.dtype = max_new_tokens, dtype
-        self.accepted_fn, self.rejected_fn = LOSSES[accepted_loss], LOSSES[rejected_loss]
         self.rejected_weight, self.position_decay = rejected_weight, position_decay
         self.sampling = Sampling(temperature=temperature, top_p=top_p)
         self.buffer = ReplayBuffer(capacity, max_age, priority)
@@ -277,9 +284,8 @@ class Replay:
             )
         out = draft(target, ids, t_out, attn)
         loss, acc, rej = replay_loss(
-            out, t_out.logits, batch, self.accepted_fn, self.rejected_fn,
-            self.loss_temperature, self.rejected_weight,
-        )  # fmt: skip
+            out, t_out.logits, batch, self.accepted, self.rejected, self.rejected_weight
+        )
         accelerator.backward(self.ratio * loss)
         n_acc, n_rej = len(batch["acc_pos"]), len(batch["rej_pos"])
         self.win["acc_loss"] += float(acc)

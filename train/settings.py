@@ -16,10 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from decoding.compiled import resolve_mode
 from decoding.drafter import Sampling
+from decoding.drafters import drafter_class
 from decoding.tree import TreeSpec
 from decoding.verify import check_sampling
 from models.dtypes import resolve_dtype
-from train.losses import LOSSES
+from train.losses import LossSpec
 from train.replay import Replay
 
 
@@ -59,14 +60,9 @@ def check_train(tc: DictConfig) -> None:
 
 
 def check_loss_and_optim(cfg: DictConfig) -> None:
-    if cfg.loss.name not in LOSSES:
-        raise ValueError(f"loss.name={cfg.loss.name!r} is not one of {sorted(LOSSES)}")
-    if not cfg.loss.temperature > 0:
-        raise ValueError(f"loss.temperature must be > 0, got {cfg.loss.temperature}")
-    if cfg.loss.get("labels", "target") not in ("target", "data"):
-        raise ValueError(f"loss.labels must be 'target' or 'data', got {cfg.loss.labels!r}")
+    loss = LossSpec.from_settings(cfg.loss)  # name, temperature, labels, the loss's options
     vocab = cfg.get("draft", {}).get("model", {}).get("vocab_size", "full")
-    if cfg.loss.get("labels", "target") == "data" and vocab != "full":
+    if loss.labels_from_data and vocab != "full":
         raise ValueError(
             f"loss.labels=data trains on the data's tokens, which a reduced draft vocabulary "
             f"(draft.model.vocab_size={vocab}) cannot always predict; set "
@@ -121,67 +117,43 @@ def check_decode(dec: DictConfig) -> None:
         _named("decode.tree", TreeSpec, **OmegaConf.to_container(dec.tree, resolve=True))
 
 
-# decode.tree.kind each draft kind's drafter drafts (its propose_tree, decoding/drafters/):
-# eagle.py EAGLE-2 dynamic trees, medusa.py static trees, dflash.py / domino.py dynamic trees
-# from one block; draft_lm.py and mtp.py chains only.
-TREE_KINDS = {
-    "eagle": ("dynamic",),
-    "medusa": ("static",),
-    "dflash": ("dynamic",),
-    "domino": ("dynamic",),
-    "draft_lm": (),
-    "mtp": (),
-}
-
-
 def check_draft_decode(cfg: DictConfig) -> None:
-    """The decode settings the chosen draft kind's drafter accepts (decoding/drafters/)."""
+    """The decode and replay settings the chosen draft kind's drafter accepts: what it
+    declares (decoding/drafter.py: Drafter; decoding/drafters: DRAFTERS)."""
     kind, tree = cfg.draft.kind, cfg.decode.get("tree")
-    if kind not in TREE_KINDS:  # a draft kind of the user's own: its drafter checks at decode
-        return
-    if tree is not None and tree.kind not in TREE_KINDS[kind]:
-        fits = [f"decode=tree_{t}" for t in TREE_KINDS[kind]] + ["decode=chain"]
+    drafter = _named("draft.kind", drafter_class, kind)
+    replay = cfg.get("replay") is not None and cfg.replay.enabled
+    if tree is not None and tree.kind not in drafter.tree_kinds:
+        fits = [f"decode=tree_{t}" for t in drafter.tree_kinds] + ["decode=chain"]
         raise ValueError(
             f"draft={kind} cannot draft decode.tree.kind={tree.kind} trees "
-            f"(decoding/drafters/{kind}.py); use {' or '.join(fits)}"
+            f"({drafter.__name__}); use {' or '.join(fits)}"
         )
-    if kind in ("dflash", "domino"):
-        check_block_decode(cfg)
-    if kind == "mtp" and not cfg.draft.model.recursive_last:
-        # decoding/drafters/mtp.py: one module per draft token unless the last one recurs.
-        depths = cfg.draft.model.num_depths
-        ks = [] if tree is not None else [("decode.k", cfg.decode.k)]
-        if tree is None and cfg.decode.get("adaptive_k"):  # k grows up to 2k (decoding/spec.py)
-            ks = [("2 * decode.k (the adaptive_k ceiling)", 2 * cfg.decode.k)]
-        if cfg.get("replay") is not None and cfg.replay.enabled:
-            ks.append(("replay.k", cfg.replay.k))
-        for key, k in ks:
-            if k > depths:
-                raise ValueError(
-                    f"{key}={k} drafts per round but the MTP draft has draft.model.num_depths="
-                    f"{depths} modules and recursive_last=false; use k <= {depths}, more "
-                    "num_depths, or draft.model.recursive_last=true"
-                )
-
-
-def check_block_decode(cfg: DictConfig) -> None:
-    """A DFlash / Domino draft drafts at most block_size - 1 tokens per round, from one block
-    (decoding/drafters/dflash.py), and trains at its own sampled anchors, which on-policy
-    replay cannot use (train/replay.py)."""
-    kind, tree = cfg.draft.kind, cfg.decode.get("tree")
-    most = cfg.draft.model.get("block_size", 8) - 1
-    wanted = ("decode.tree.depth", tree.depth) if tree is not None else ("decode.k", cfg.decode.k)
-    if wanted[1] > most:
+    if replay and not drafter.replayable:
         raise ValueError(
-            f"{wanted[0]}={wanted[1]} but one draft={kind} block drafts at most "
-            f"draft.model.block_size - 1 = {most} tokens; use {wanted[0]} <= {most} or a larger "
-            "draft.model.block_size (trained with it)"
+            f"replay.enabled=true: draft={kind} cannot train on the positions a rollout picks "
+            f"({drafter.__name__}.replayable is false); set replay.enabled=false"
         )
-    if cfg.get("replay") is not None and cfg.replay.enabled:
-        raise ValueError(
-            f"replay.enabled=true: draft={kind} trains at its own sampled anchors, not at the "
-            "positions a rollout picks; set replay.enabled=false"
-        )
+    most = drafter.max_draft_tokens(OmegaConf.to_container(cfg.draft.model, resolve=True))
+    if most is None:
+        return
+    if tree is not None:
+        wanted = [("decode.tree.depth", tree.depth)]
+    elif cfg.decode.get("adaptive_k"):  # k grows up to 2k (decoding/spec.py)
+        wanted = [("2 * decode.k (the adaptive_k ceiling)", 2 * cfg.decode.k)]
+    else:
+        wanted = [("decode.k", cfg.decode.k)]
+    if replay:
+        wanted.append(("replay.k", cfg.replay.k))
+    for key, k in wanted:
+        if k > most:
+            raise ValueError(
+                f"{key}={k} drafts per round but one round of a draft={kind} drafts at most "
+                f"{most} tokens with these draft.model settings ({drafter.__name__}."
+                f"max_draft_tokens); use {key} <= {most}, or train a draft that drafts more "
+                "(DFlash / Domino: draft.model.block_size; MTP: draft.model.num_depths or "
+                "recursive_last=true)"
+            )
 
 
 def check_replay(replay: DictConfig) -> None:

@@ -11,11 +11,10 @@ the target it decodes with, and keeps its own state between rounds. Files:
     draft_lm.py  a standalone draft LM (models/draft_lm.py) or any HF causal LM
     ngram.py     prompt lookup, no model (the training-free baseline)
     cache.py     the KV-cache bookkeeping the EAGLE and MTP drafters share
+    vocab.py     a reduced draft vocabulary's ids and q back to the target's (EAGLE, DFlash, Domino)
 """
 
 from __future__ import annotations
-
-from torch import nn
 
 from decoding.drafter import Drafter
 from decoding.drafters.dflash import DFlashDrafter
@@ -24,33 +23,33 @@ from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.eagle import EagleDrafter
 from decoding.drafters.medusa import MedusaDrafter
 from decoding.drafters.mtp import MTPDrafter
-from models.dflash import DFlashDraft
-from models.domino import DominoDraft
-from models.draft_lm import DraftLM
-from models.eagle import EagleDraft
-from models.medusa import MedusaHeads
-from models.mtp import MTP
+from models.protocol import DraftModel
 from models.target import Target
 
+# draft.kind -> its drafter class. A new draft kind adds its line (or, for a kind defined
+# outside the project, an entry at run time before training starts).
+DRAFTERS: dict[str, type[Drafter]] = {
+    "eagle": EagleDrafter,
+    "medusa": MedusaDrafter,
+    "mtp": MTPDrafter,
+    "dflash": DFlashDrafter,
+    "domino": DominoDrafter,
+    "draft_lm": DraftLMDrafter,
+}
 
-def make_drafter(draft: nn.Module, target: Target) -> Drafter:
-    """The decoder's adapter for a draft module of models/, sharing the module's weights and
-    taking frozen pieces from `target` (which may be a bf16 copy used for decoding). A new
-    draft kind adds its line here."""
-    if isinstance(draft, EagleDraft):
-        return EagleDrafter(draft, target)
-    if isinstance(draft, MedusaHeads):
-        return MedusaDrafter(draft, target)
-    if isinstance(draft, MTP):
-        return MTPDrafter(draft, target)
-    if isinstance(draft, DominoDraft):  # before DFlashDraft, its base class
-        return DominoDrafter(draft, target)
-    if isinstance(draft, DFlashDraft):
-        return DFlashDrafter(draft, target)
-    if isinstance(draft, DraftLM):
-        return DraftLMDrafter(draft.causal_lm(), target)
-    raise TypeError(
-        f"no drafter for a {type(draft).__name__}: make_drafter knows EagleDraft, MedusaHeads, "
-        "MTP, DFlashDraft, DominoDraft and DraftLM; add the new draft kind's drafter to "
-        "decoding/drafters/__init__.py"
-    )
+
+def drafter_class(kind: str) -> type[Drafter]:
+    """The drafter class of a draft kind; a ValueError that lists the known kinds."""
+    if kind not in DRAFTERS:
+        raise ValueError(
+            f"no drafter for draft kind {kind!r}: known kinds are {sorted(DRAFTERS)}; a new "
+            "kind registers its drafter in decoding.drafters.DRAFTERS"
+        )
+    return DRAFTERS[kind]
+
+
+def make_drafter(draft: DraftModel, target: Target) -> Drafter:
+    """The decoder's adapter for a draft module of models/ (`draft.kind`), sharing the
+    module's weights and taking frozen pieces from `target` (which may be a bf16 copy used
+    for decoding)."""
+    return drafter_class(draft.kind)(draft, target)

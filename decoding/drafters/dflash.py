@@ -28,20 +28,35 @@ draft's outputs, so q = None (verified as one-hot drafts; lossless at any temper
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor
 
 from decoding.drafter import Sampling
 from decoding.drafters.cache import left_padding
+from decoding.drafters.vocab import full_vocab_q, to_target_ids
 from decoding.tree import DraftTree, TreeSpec, dynamic_tree
 from decoding.verify import sampling_probs
+from models import vocab
 from models.dflash import DFlashDraft
 from models.target import Target, TargetOutput
 
 
 class DFlashDrafter:
+    # Declared for the start-up checks (decoding/drafter.py: Drafter).
+    tree_kinds: ClassVar[tuple[str, ...]] = ("dynamic",)
+    replayable: ClassVar[bool] = False
+
+    @staticmethod
+    def max_draft_tokens(model_settings: Mapping[str, Any]) -> int | None:
+        """One block forward drafts block_size - 1 tokens. Not replayable: the draft trains at
+        its own sampled anchors, not at the positions a rollout picks (train/replay.py)."""
+        return model_settings.get("block_size", 8) - 1
+
     def __init__(self, model: DFlashDraft, target: Target):
-        model.check_vocab()  # refuse a reduced vocabulary that was never built or loaded
+        vocab.require(model)  # refuse a reduced vocabulary that was never built or loaded
         if model.target_vocab_size not in (None, target.vocab_size):
             raise ValueError(
                 f"this {type(model).__name__} was built for a target vocabulary of "
@@ -53,7 +68,7 @@ class DFlashDrafter:
         self.vocab_size = target.vocab_size  # full target vocabulary (the decoder checks it)
         self.embed = target.embed_tokens
         with torch.no_grad():  # [V_draft, H]: the target's head rows, gathered once
-            self.head = model.head_weight(target.lm_head.weight).detach()
+            self.head = vocab.head_rows(target.lm_head.weight, model.vocab_ids).detach()
         # [V_draft] draft id -> target id; None = full. Read once with the head rows: a
         # drafter serves the vocabulary its model had when it was built.
         self.vocab_ids = model.vocab_ids
@@ -109,30 +124,18 @@ class DFlashDrafter:
         h = self._block(last_tokens, "propose")  # [B, P, H]
         return self._draw(h, last_tokens, k, sampling, generator)
 
-    def to_target(self, ids: Tensor) -> Tensor:
-        """Draft-vocabulary ids -> target ids (the same with the full vocabulary)."""
-        return ids if self.vocab_ids is None else self.vocab_ids[ids]
-
-    def full_q(self, q: Tensor) -> Tensor:
-        """q over the draft vocabulary [..., V_draft] -> over the target's [..., V] (zero
-        outside the draft vocabulary: verification's residual covers those tokens)."""
-        if self.vocab_ids is None:
-            return q
-        full = q.new_zeros(*q.shape[:-1], self.vocab_size)
-        full[..., self.vocab_ids] = q
-        return full
-
     def _draw(
         self, h: Tensor, last_tokens: Tensor, k: int, sampling: Sampling, generator
     ) -> tuple[Tensor, Tensor | None]:
         """Drafts 1..k from block positions 1..k, each drawn from its own q."""
         logits = self.model.logits(h[:, 1 : k + 1], self.head)  # [B, k, V_draft]
         if sampling.greedy:
-            return self.to_target(logits.argmax(-1)), None
+            return to_target_ids(logits.argmax(-1), self.vocab_ids), None
         q = sampling_probs(logits, sampling)  # [B, k, V_draft] float32, the verifier's transform
         B, _, V = q.shape
         choice = torch.multinomial(q.reshape(-1, V), 1, generator=generator).view(B, k)
-        return self.to_target(choice), self.full_q(q)
+        drafted = to_target_ids(choice, self.vocab_ids)  # [B, k]
+        return drafted, full_vocab_q(q, self.vocab_ids, self.vocab_size)  # [B, k, V]
 
     def _child_logp(
         self, h: Tensor, d: int, parents: Tensor, states: Tensor | None
@@ -176,12 +179,12 @@ class DFlashDrafter:
             if prev_state is not None:
                 G = prev_state.shape[-1]
                 beam_state = prev_state.gather(1, beam_parent[..., None].expand(-1, -1, G))
-            parents = self.to_target(beam_ids)  # [B, k] target ids
+            parents = to_target_ids(beam_ids, self.vocab_ids)  # [B, k] target ids
             logp, prev_state = self._child_logp(h, d, parents, beam_state)  # [B, k, V_draft]
             return logp
 
         ids, parents = dynamic_tree(logp[:, 0], expand, depth, tree.top_k, tree.num_nodes)
-        return DraftTree(self.to_target(ids), parents, None)
+        return DraftTree(to_target_ids(ids, self.vocab_ids), parents, None)
 
     @torch.no_grad()
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from decoding.drafter import Sampling
 from decoding.drafters.dflash import DFlashDrafter
+from decoding.drafters.vocab import full_vocab_q, to_target_ids
 from decoding.verify import sampling_probs
 
 
@@ -39,10 +40,12 @@ class DominoDrafter(DFlashDrafter):
                 q = sampling_probs(logits, sampling)  # [B, V_draft] float32
                 choice = torch.multinomial(q, 1, generator=generator)[:, 0]
                 qs.append(q)
-            prev = self.to_target(choice)  # [B] target ids: the next GRU input
+            prev = to_target_ids(choice, self.vocab_ids)  # [B] target ids: the next GRU input
             tokens.append(prev)
         drafted = torch.stack(tokens, dim=1)  # [B, k]
-        return drafted, (self.full_q(torch.stack(qs, dim=1)) if qs else None)
+        if not qs:
+            return drafted, None
+        return drafted, full_vocab_q(torch.stack(qs, dim=1), self.vocab_ids, self.vocab_size)
 
     def _child_logp(
         self, h: Tensor, d: int, parents: Tensor, states: Tensor | None

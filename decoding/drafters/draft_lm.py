@@ -6,6 +6,9 @@ and the newest one, then one draft at a time)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
@@ -13,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from decoding.compiled import DRAFT_EXTRA_SLOTS, CompiledTarget
 from decoding.drafter import Sampling
 from decoding.verify import sampling_probs
+from models.draft_lm import DraftLM
 from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput
 
@@ -26,7 +30,20 @@ class DraftLMDrafter:
 
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: PreTrainedModel, target: Target | CompiledTarget | None = None):
+    # Declared for the start-up checks (decoding/drafter.py: Drafter).
+    tree_kinds: ClassVar[tuple[str, ...]] = ()
+    replayable: ClassVar[bool] = True
+
+    @staticmethod
+    def max_draft_tokens(model_settings: Mapping[str, Any]) -> int | None:
+        """No limit: a standalone LM drafts token by token."""
+        return None
+
+    def __init__(
+        self, model: PreTrainedModel | DraftLM, target: Target | CompiledTarget | None = None
+    ):
+        if isinstance(model, DraftLM):  # a trained draft of models/draft_lm.py
+            model = model.causal_lm()
         self.model = model.eval().requires_grad_(False)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         if target is not None and self.vocab_size != target.vocab_size:

@@ -19,8 +19,8 @@ cache then holds k-1 speculative entries; commit crops them and the next propose
 them with entries computed from the target's real features.
 
 Reduced vocabulary: the head is the [V_draft, H] slice gathered once here, so a step never
-touches the target's full output head; draft ids map to target ids through d2t, and q is
-scattered into the full vocabulary (zeros outside the draft vocabulary).
+touches the target's full output head; draft ids and q go back to the target's vocabulary
+through decoding/drafters/vocab.py (q zero outside the draft vocabulary).
 Left-padded batches (decoding/spec.py passes `attention_mask` to prefill): row b's first
 pad[b] cache entries are padding (decoding/drafters/cache.py: position ids over real
 tokens, pad keys masked out).
@@ -31,6 +31,9 @@ forward (the pending positions, padded) and the tree's top_k (a tree level).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -39,22 +42,33 @@ from transformers import DynamicCache
 from decoding.compiled import DRAFT_EXTRA_SLOTS, CachedStep, CompiledTarget, pad_seq, unwrap
 from decoding.drafter import Sampling
 from decoding.drafters.cache import crop_to, left_padding, positions_and_mask
+from decoding.drafters.vocab import full_vocab_q, to_target_ids
 from decoding.tree import DraftTree, TreeSpec, dynamic_tree
 from decoding.verify import sampling_probs
+from models import vocab
 from models.eagle import EagleDraft
 from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput
 
 
 class EagleDrafter:
+    # Declared for the start-up checks (decoding/drafter.py: Drafter).
+    tree_kinds: ClassVar[tuple[str, ...]] = ("dynamic",)
+    replayable: ClassVar[bool] = True
+
+    @staticmethod
+    def max_draft_tokens(model_settings: Mapping[str, Any]) -> int | None:
+        """No limit: the head recurs on its own features, any k or tree depth."""
+        return None
+
     def __init__(self, model: EagleDraft, target: Target | CompiledTarget):
-        model.check_mapping()  # refuse a reduced vocabulary without d2t/t2d
+        vocab.require(model)  # refuse a reduced vocabulary without d2t/t2d
         compiled = target if isinstance(target, CompiledTarget) else None
         target = unwrap(target)
         self.model = model.eval()
         self.hidden_layers = model.hidden_layers
         self.embed = target.embed_tokens
-        self.target_vocab_size = target.vocab_size
+        self.vocab_size = target.vocab_size  # full target vocabulary (the decoder checks it)
         with torch.no_grad():
             head = model.head_weight(target).detach()  # [V_draft, H], gathered once
             self.head = head.to(model.fc.weight.dtype)
@@ -131,7 +145,6 @@ class EagleDrafter:
         self, last_tokens: Tensor, k: int, sampling: Sampling, generator=None
     ) -> tuple[Tensor, Tensor | None]:
         h = self._run_pending(last_tokens, "propose")  # [B, 1, H]
-        B = h.shape[0]
         draft_tokens, draft_q = [], []
         for i in range(k):
             logits = self.model.logits(h, self.head)[:, 0]  # [B, V_draft]
@@ -141,7 +154,7 @@ class EagleDrafter:
                 q = sampling_probs(logits, sampling)  # [B, V_draft] float32
                 choice = torch.multinomial(q, 1, generator=generator)[:, 0]
                 draft_q.append(q)
-            token = choice if self.vocab_ids is None else self.vocab_ids[choice]  # target ids [B]
+            token = to_target_ids(choice, self.vocab_ids)  # [B] target ids
             draft_tokens.append(token)
             if i < k - 1:
                 h = self._run(h, token[:, None], self.kept_len + i)  # [B, 1, H]
@@ -149,11 +162,7 @@ class EagleDrafter:
         if sampling.greedy:
             return drafted, None
         q_draft = torch.stack(draft_q, dim=1)  # [B, k, V_draft]
-        if self.vocab_ids is None:
-            return drafted, q_draft
-        q_full = q_draft.new_zeros(B, k, self.target_vocab_size)  # [B, k, V]
-        q_full[..., self.vocab_ids] = q_draft
-        return drafted, q_full
+        return drafted, full_vocab_q(q_draft, self.vocab_ids, self.vocab_size)  # [B, k, V]
 
     @torch.no_grad()
     def propose_tree(
@@ -202,7 +211,7 @@ class EagleDrafter:
             # The new entries see the real prefix and, per earlier level, their ancestor's slot.
             tree_mask = torch.nn.functional.one_hot(slots, k).flatten(-2).bool()  # [B, k, d*k]
             mask = torch.cat([prefix[:, None].expand(B, k, -1), tree_mask], -1)[:, None]
-            target_ids = beam_ids if self.vocab_ids is None else self.vocab_ids[beam_ids]
+            target_ids = to_target_ids(beam_ids, self.vocab_ids)
             positions = root_pos[:, None] + d
             if self.step is None:
                 h = self._layer(beam_hidden, target_ids, positions, mask)  # [B, k, H]
@@ -213,8 +222,7 @@ class EagleDrafter:
             return self.model.logits(h, self.head).float().log_softmax(-1)  # [B, k, V_draft]
 
         ids, parents = dynamic_tree(logp, expand, depth, tree.top_k, tree.num_nodes)
-        node_tokens = ids if self.vocab_ids is None else self.vocab_ids[ids]
-        return DraftTree(node_tokens, parents, None)
+        return DraftTree(to_target_ids(ids, self.vocab_ids), parents, None)
 
     @torch.no_grad()
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:

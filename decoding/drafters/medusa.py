@@ -5,6 +5,9 @@ computes every head; a round keeps the first k (or the tree's depth)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,6 +32,15 @@ class MedusaDrafter:
     """
 
     hidden_layers = (-1,)
+
+    # Declared for the start-up checks (decoding/drafter.py: Drafter).
+    tree_kinds: ClassVar[tuple[str, ...]] = ("static",)
+    replayable: ClassVar[bool] = True
+
+    @staticmethod
+    def max_draft_tokens(model_settings: Mapping[str, Any]) -> int | None:
+        """No limit: past the last head a chain reuses it."""
+        return None
 
     def __init__(self, heads: MedusaHeads, target: Target | CompiledTarget):
         self.heads, self.target = heads, unwrap(target)

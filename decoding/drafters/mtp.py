@@ -11,6 +11,9 @@ positions a module catches up on, padded), eagerly when wider (the prompt).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
@@ -35,6 +38,15 @@ class MTPDrafter:
     """
 
     hidden_layers: tuple[int, ...] = (-1,)
+
+    # Declared for the start-up checks (decoding/drafter.py: Drafter).
+    tree_kinds: ClassVar[tuple[str, ...]] = ()
+    replayable: ClassVar[bool] = True
+
+    @staticmethod
+    def max_draft_tokens(model_settings: Mapping[str, Any]) -> int | None:
+        """One module per draft token, unless the last one recurs (`recursive_last`)."""
+        return None if model_settings.get("recursive_last", False) else model_settings["num_depths"]
 
     def __init__(self, model: MTP, target: Target | CompiledTarget):
         if model.vocab_size != target.vocab_size:

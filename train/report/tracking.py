@@ -5,9 +5,11 @@ table and parallel coordinates compare runs).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path, PurePosixPath
 
+from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from train.report.runs import eval_tags, flatten
@@ -87,3 +89,63 @@ def wandb_summary(summary: dict) -> dict[str, float | None]:
         for i, a in enumerate(ev.get(f"{tag}/alpha") or [], 1):
             out[f"final/{tag}/alpha_{i}"] = a
     return out
+
+
+def tracker(cfg: DictConfig) -> str | None:
+    """accelerate's `log_with` for cfg.logger.kind: "wandb" (offline unless a key is
+    configured) or None."""
+    if cfg.logger.kind == "wandb":
+        setup_wandb_env()
+        return "wandb"
+    if cfg.logger.kind != "none":
+        raise ValueError(f"logger.kind must be 'wandb' or 'none', got {cfg.logger.kind!r}")
+    return None
+
+
+def init_tracking(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) -> None:
+    """Start the W&B run: group = runs differing only in seed; tags = kind, loss, data."""
+    if cfg.logger.kind != "wandb":
+        return
+    wb = wandb_run_settings(cfg)
+    accelerator.init_trackers(
+        cfg.logger.project,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        init_kwargs={
+            "wandb": {
+                "name": wb["name"],
+                "group": wb["group"],
+                "tags": wb["tags"],
+                "dir": str(run_dir),
+                "entity": cfg.logger.get("entity"),
+            }
+        },
+    )
+
+
+def finish_tracking(accelerator: Accelerator, cfg: DictConfig, summary: dict) -> None:
+    """Final τ, speedup and α_i into W&B's own run table."""
+    if cfg.logger.kind == "wandb" and summary:
+        accelerator.get_tracker("wandb", unwrap=True).summary.update(wandb_summary(summary))
+
+
+class RunLog:
+    """A run's records (train and eval lines) into metrics.jsonl and the tracker, from the
+    main process. A resumed run drops the lines past its checkpoint and keeps the earlier
+    ones in `earlier`, so its summary covers the whole run."""
+
+    def __init__(self, run_dir: Path, accelerator: Accelerator, resumed_at: int | None):
+        self.path, self.accelerator = run_dir / "metrics.jsonl", accelerator
+        self.main = accelerator.is_main_process
+        self.earlier: list[dict] = []
+        if self.main and resumed_at is not None and self.path.exists():
+            records = [json.loads(ln) for ln in self.path.read_text().splitlines() if ln]
+            self.earlier = [r for r in records if r["step"] <= resumed_at]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.earlier))
+
+    def write(self, record: dict) -> None:
+        if not self.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float)}
+        self.accelerator.log(numbers, step=record["step"])

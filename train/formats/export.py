@@ -7,7 +7,7 @@
     python scripts/export.py CKPT --format eagle --out out/eagle3         # EAGLE / SGLang / SpecForge
 
 Formats, one plain function each (`export_hf`, `export_medusa`, `export_vllm_medusa`; the
-EAGLE heads' `export_speculators`, `export_eagle` are in train/export_eagle.py):
+EAGLE heads' `export_speculators`, `export_eagle` are in train/formats/eagle.py):
   hf           a distilled draft LM as a `save_pretrained` directory with the target's
                tokenizer (HF `assistant_model`, vLLM `draft_model`, SGLang standalone); for a
                Medusa-2 checkpoint, the merged (LoRA-adapted) target the heads were trained on.
@@ -30,7 +30,7 @@ adapted target) and `base_model_name_or_path` points there: its heads read the a
                `LlamaForCausalLMEagle3`), or an EAGLE-1 head as vLLM's `llama_eagle.py`.
 Refused, nothing written: `mtp` (no engine serves MTP heads for a Llama target), DFlash /
 Domino drafts (no engine format in scope: docs/dflash.md), a draft
-that does not fit the format (EAGLE: see train/export_eagle.py), a vocabulary that is not
+that does not fit the format (EAGLE: see train/formats/eagle.py), a vocabulary that is not
 the target's, NaN/Inf weights, a shared target head with a bias (Medusa engines' output layers have none),
 Medusa-repository heads with more than one block per head (that repository repeats ONE
 block L times, `[ResBlock(H)] * L`, so independent blocks cannot be expressed), and an
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import hydra.utils
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -60,8 +60,8 @@ from models.medusa import MedusaHeads
 from models.mtp import MTP
 from models.target import Target
 from train.checkpoint import load_draft
-from train.export_checks import ExportError, check_finite, check_keys, check_vocab, read_back
-from train.export_eagle import export_eagle, export_speculators
+from train.formats.checks import ExportError, check_finite, check_keys, check_vocab, read_back
+from train.formats.eagle import export_eagle, export_speculators
 
 FORMATS = ("hf", "medusa", "vllm-medusa", "mtp", "eagle", "speculators")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -112,7 +112,7 @@ def hf_model(draft: nn.Module, target: Target) -> nn.Module:
             model = copy.deepcopy(draft.model).merge_and_unload()
         return model
     if isinstance(draft, MedusaHeads) and draft.adapted is not None:
-        return draft.merged_target(target).model
+        return draft.decoding_target(target).model
     raise ExportError(
         f"--format hf exports a distilled draft LM (draft=draft_lm) or Medusa-2's merged "
         f"target (draft=medusa2); this checkpoint holds a {type(draft).__name__}. "
@@ -293,17 +293,42 @@ def export(
     return out
 
 
+def checkpoint_config(ckpt: str | Path) -> DictConfig:
+    """The resolved config a checkpoint `<run_dir>/checkpoints/step_N` was trained with: its own
+    config.yaml, else its run directory's. Runs written before the target loaders moved to
+    models/ name them `train.target.*`; they are read as `models.target_loaders.*`."""
+    ckpt = Path(ckpt)
+    for config in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml"):
+        if config.is_file():
+            break
+    else:
+        raise FileNotFoundError(
+            f"no config.yaml in {ckpt} nor in its run directory {ckpt.parent.parent}: give a "
+            "checkpoint written by a training run (<run_dir>/checkpoints/step_N, kept inside "
+            "its run directory), whose config names the target and the data"
+        )
+    cfg = OmegaConf.load(config)
+    loader = str(cfg.target.get("_target_", ""))
+    if loader.startswith("train.target."):
+        cfg.target._target_ = "models.target_loaders." + loader.removeprefix("train.target.")
+    return cfg
+
+
+def load_target(cfg: DictConfig) -> Target:
+    """The target `cfg.target` names (a loader and its arguments)."""
+    node = OmegaConf.to_container(cfg.target, resolve=True)
+    return hydra.utils.get_method(node.pop("_target_"))(**node)
+
+
 def load_run_draft(ckpt: str | Path, device: str = "cpu") -> tuple[nn.Module, Target]:
     """A checkpoint `<run_dir>/checkpoints/step_N` -> (draft, target from the run's config)."""
     ckpt = Path(ckpt)
-    config = ckpt.parent.parent / "config.yaml"
-    if not (ckpt / "draft.yaml").is_file() or not config.is_file():
+    if not (ckpt / "draft.yaml").is_file():
         raise FileNotFoundError(
-            f"{ckpt} is not a checkpoint inside its run directory (need draft.yaml there and "
-            f"{config}); give <run_dir>/checkpoints/step_N"
+            f"{ckpt} is not a draftlab checkpoint (no draft.yaml); give "
+            "<run_dir>/checkpoints/step_N"
         )
-    cfg = OmegaConf.load(config)
+    cfg = checkpoint_config(ckpt)
     cfg.target.device = device
-    node = OmegaConf.to_container(cfg.target, resolve=True)
-    target = hydra.utils.get_method(node.pop("_target_"))(**node)
+    target = load_target(cfg)
     return load_draft(ckpt, target).eval(), target

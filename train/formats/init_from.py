@@ -2,7 +2,7 @@
 (`draft.init_from=DIR`): to evaluate an imported draft (scripts/evaluate.py --init-from) or to
 warm-start training from it (train/loop.py; a resumed run keeps its own checkpoint instead).
 
-Formats (`detect_format`; the writers are train/export.py and train/export_eagle.py):
+Formats (`detect_format`; the writers are train/formats/export.py and train/formats/eagle.py):
   ours         a draftlab checkpoint `<run_dir>/checkpoints/step_N`, or a run directory (its
                newest checkpoint): draft.safetensors is the draft's own state_dict.
   hf           a `save_pretrained` causal LM (config.json + model.safetensors) -> draft=draft_lm.
@@ -40,8 +40,8 @@ from models.eagle import EagleDraft
 from models.medusa import MedusaHeads
 from models.target import Target
 from train.checkpoint import PREFIX, latest_checkpoint, load_tensors
-from train.export import MEDUSA_WEIGHTS, VLLM_WEIGHTS, medusa_keys, vllm_medusa_keys
-from train.export_eagle import read_eagle_export
+from train.formats.eagle_read import read_eagle_export
+from train.formats.export import MEDUSA_WEIGHTS, VLLM_WEIGHTS, medusa_keys, vllm_medusa_keys
 
 FORMATS = ("ours", "hf", "medusa", "vllm-medusa", "speculators", "eagle")
 LOOKED_FOR = (

@@ -1,6 +1,6 @@
-"""What every exporter (train/export.py, train/export_eagle.py) shares: the refusal type and
-the checks run before writing (finite weights, the target's vocabulary) and after (read the
-written files back: every config field and weight key the format needs)."""
+"""What every exporter (train/formats/export.py, train/formats/eagle.py) shares: the refusal
+type and the checks run before writing (finite weights, the target's vocabulary) and after
+(read the written files back: every config field and weight key the format needs)."""
 
 from __future__ import annotations
 

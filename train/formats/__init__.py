@@ -1,0 +1,11 @@
+"""A trained draft in the formats other tools load, and back (docs/export.md).
+
+export.py      `export(draft, target, fmt, out)`: the entry point (temporary directory,
+               read-back checks, rename) and the hf / medusa / vllm-medusa writers;
+               `load_run_draft(ckpt)` and `checkpoint_config(ckpt)` for a training checkpoint.
+eagle.py       the EAGLE heads' writers: `export_speculators`, `export_eagle`.
+eagle_read.py  `read_eagle_export`: a speculators / eagle export back into an EAGLE head.
+checks.py      what every writer shares: `ExportError` and the checks before and after writing.
+init_from.py   `init_draft_from(path, draft, target)`: any of these formats, or a draftlab
+               checkpoint, loaded into the draft the config builds (`draft.init_from=DIR`).
+"""

@@ -1,0 +1,174 @@
+"""Read an EAGLE head exported in the `speculators` or `eagle` layout (train/formats/eagle.py
+describes both) back into `models.eagle.EagleDraft`'s state_dict keys, with the settings to
+build that draft: `read_eagle_export(path, target)`, what `draft.init_from=DIR`
+(train/formats/init_from.py) calls for those formats. The served fc already holds the tap
+scale, so the state read back has tap_scale = 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from models.eagle_init import default_eagle3_layers
+from models.target import Target
+from train.formats.eagle import WEIGHTS, served_keys, verifier
+
+
+def read_eagle_export(path: Path, target: Target) -> tuple[dict[str, Tensor], dict]:
+    """A `speculators` or `eagle` export (ours or another trainer's in the same layout) ->
+    (state_dict keyed exactly like EagleDraft.state_dict(), settings) where settings =
+    {style, layers (hidden_states indices), draft_vocab_size, intermediate_size, train_head}
+    for `models.eagle.from_target`. Raises ValueError on a wrong target (hidden size,
+    vocabulary, verifier), a variant this head cannot express, or unknown / missing keys."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
+        raise ValueError(f"{path} is not an EAGLE export: need config.json and {WEIGHTS} there")
+    config = json.loads((path / "config.json").read_text())
+    weights = load_file(str(path / WEIGHTS))
+    what = f"EAGLE export {path}"
+    if "speculators_model_type" in config:
+        style, layer = _speculators_settings(config, target, what)
+        prefix = "layers.0."
+    else:
+        arch = (config.get("architectures") or [""])[0]
+        style = "eagle3" if "Eagle3" in arch else "eagle1"
+        layer, prefix = config, "midlayer." if style == "eagle3" else "layers.0."
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        if config.get(flag):
+            raise ValueError(
+                f"{what} uses {flag}=true; draftlab's head is the plain layout (residual = raw "
+                "fc output, no norm before fc, pre-norm hidden fed back)"
+            )
+    if config.get("target_hidden_size") not in (None, target.hidden_size):
+        raise ValueError(
+            f"{what} reads {config['target_hidden_size']}-wide target features, the target "
+            f"{target.name!r} has {target.hidden_size}; load it with the target it was trained for"
+        )
+    H, L = target.hidden_size, target.num_layers
+    _check_layer_config(layer, target, what)  # sizes first: the clearer message
+    if "speculators_model_type" in config:
+        _check_verifier(config, target, what)
+    taps = _tap_layers(config, style, L, what)
+    draft_vocab = int(config.get("draft_vocab_size") or target.vocab_size)
+    reduced = draft_vocab < target.vocab_size
+    expected = served_keys(style, reduced, prefix)
+    unknown, missing = sorted(set(weights) - expected), sorted(expected - set(weights))
+    if unknown or missing:
+        raise ValueError(
+            f"{what}: unknown keys {unknown[:5]}, missing keys {missing[:5]} for a {style} head "
+            f"({'reduced' if reduced else 'full'} vocabulary); draftlab reads the speculators and "
+            "eagle layouts of train/formats/eagle.py"
+        )
+    state = {k.replace(prefix, "layers.0.", 1): v for k, v in weights.items()}
+    n_in = state["fc.weight"].shape[1]
+    if state["fc.weight"].shape[0] != H or n_in != (3 * H if style == "eagle3" else 2 * H):
+        raise ValueError(
+            f"{what}: fc.weight is {tuple(state['fc.weight'].shape)}, expected "
+            f"({H}, {3 * H if style == 'eagle3' else 2 * H}) for the target's hidden size {H}"
+        )
+    train_head = False
+    if style == "eagle3":
+        state["tap_scale"] = torch.ones(len(taps))  # folded into the served fc
+        head = state.pop("lm_head.weight")  # [V_draft, H]
+        if reduced:
+            state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
+            ids = torch.arange(draft_vocab) + state["d2t"]
+            if ids.min() < 0 or ids.max() >= target.vocab_size:
+                raise ValueError(f"{what}: d2t maps outside the target's vocabulary")
+        else:
+            ids = torch.arange(draft_vocab)
+        if head.shape != (draft_vocab, H):
+            raise ValueError(
+                f"{what}: lm_head is {tuple(head.shape)}, expected ({draft_vocab}, {H})"
+            )
+        rows = target.lm_head.weight.detach().float().cpu()[ids]
+        train_head = not torch.equal(head.float(), rows)
+        if train_head:
+            state["lm_head.weight"] = head
+    settings = {
+        "style": style,
+        "layers": taps,
+        "draft_vocab_size": draft_vocab,
+        "intermediate_size": int(layer["intermediate_size"]),
+        "train_head": train_head,
+    }
+    return state, settings
+
+
+def _speculators_settings(config: dict, target: Target, what: str) -> tuple[str, dict]:
+    if config["speculators_model_type"] != "eagle3":
+        raise ValueError(
+            f"{what}: speculators_model_type {config['speculators_model_type']!r}; draftlab "
+            "reads eagle3 speculators checkpoints"
+        )
+    if "norm_before_residual" not in config:
+        raise ValueError(
+            f"{what} does not say norm_before_residual (vLLM assumes true, speculators false); "
+            "refusing to guess the residual of the first layer"
+        )
+    return "eagle3", config.get("transformer_layer_config") or {}
+
+
+def _check_verifier(config: dict, target: Target, what: str) -> None:
+    want = verifier(target)
+    got = config.get("speculators_config", {}).get("verifier", {})
+    same_path = Path(str(got.get("name_or_path", ""))).name == Path(want["name_or_path"]).name
+    if not same_path or list(got.get("architectures") or []) != want["architectures"]:
+        raise ValueError(
+            f"{what} was trained for verifier {got.get('name_or_path')!r} "
+            f"({got.get('architectures')}), not the target {want['name_or_path']!r} "
+            f"({want['architectures']}); load it with the target it was trained for"
+        )
+
+
+def _check_layer_config(layer: dict, target: Target, what: str) -> None:
+    """The exported layer must be the one from_target builds for `target`."""
+    cfg = target.config
+    want = {
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or target.hidden_size // cfg.num_attention_heads,
+    }
+    bad = {k: (layer.get(k), v) for k, v in want.items() if layer.get(k, v) != v}
+    if layer.get("attention_bias") or layer.get("mlp_bias"):
+        bad["attention_bias/mlp_bias"] = (True, False)
+    if bad:
+        raise ValueError(
+            f"{what} does not fit the target {target.name!r}: (exported, target) {bad}; "
+            "load it with the target it was exported for"
+        )
+    theta = target.rope_kwargs().get("rope_parameters", {}).get("rope_theta")
+    if theta is not None and layer.get("rope_theta", theta) != theta:
+        raise ValueError(
+            f"{what} has rope_theta {layer['rope_theta']}, the target {theta}: draftlab copies "
+            "rope settings from the target"
+        )
+
+
+def _tap_layers(config: dict, style: str, num_layers: int, what: str) -> list[int]:
+    """hidden_states indices from the config (vLLM's top-level ids, or SGLang's eagle_config
+    ids + 1), the engines' default when neither is there."""
+    if style == "eagle1":
+        return [-1]
+    vllm = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    sglang = [j + 1 for j in nested] if nested else None
+    if vllm and sglang and list(vllm) != sglang:
+        raise ValueError(
+            f"{what}: eagle_aux_hidden_state_layer_ids {vllm} (vLLM: hidden_states indices) and "
+            f"eagle_config's {nested} (SGLang: layer outputs, +1) name different taps"
+        )
+    taps = list(vllm or sglang or default_eagle3_layers(num_layers))
+    if len(taps) != 3 or not all(1 <= i <= num_layers - 1 for i in taps):
+        raise ValueError(
+            f"{what}: taps {taps} are not 3 hidden_states indices in 1..{num_layers - 1} of the target"
+        )
+    return [int(i) for i in taps]
