@@ -14,6 +14,10 @@ and returns a JSON-able dict:
     verify_rounds, drafted_rounds   verify forwards; those with drafts
     tokens_per_s, ar_tokens_per_s, speedup (= tokens/s ratio; equals the AR/spec wall-time
                          ratio when both emit the same tokens, e.g. greedy), wall_time_ratio
+    best_ar_dtype, best_ar_tokens_per_s, speedup_best_ar
+                         the same against the fastest AR of this machine: `baseline`, the
+                         target in another dtype, decoded AR interleaved with the other two
+                         (None: the AR above is the fastest)
     predicted_speedup    τ·T_target(1) / (T_verify(k) + T_draft(k)) from measured per-round
                          costs: T_target(1) an AR step, T_verify a verify forward, T_draft the
                          drafter's propose + commit per round (t_*_ms); both prefills, the
@@ -104,6 +108,7 @@ def evaluate(
     eos_token_ids: list[int] | None = None,
     tree: TreeSpec | None = None,  # draft trees instead of chains (k is then unused)
     entropy: bool = True,  # record entropy_alpha (False: None, and no probe work per round)
+    baseline: Target | None = None,  # the same target in the dtype of the machine's fastest AR
 ) -> dict:
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -117,13 +122,19 @@ def evaluate(
     for i in range(min(warmup, len(prompts))):  # caches, allocator, kernel choice
         generate(target, _as_row(prompts[i]), None, generator=gen(i), **kw)
         generate(target, _as_row(prompts[i]), drafter, generator=gen(i), **spec_kw)
-    ar_runs, spec_runs = [], []
+        if baseline is not None:
+            generate(
+                baseline, _as_row(prompts[i]).to(baseline.device), None, generator=gen(i), **kw
+            )
+    ar_runs, spec_runs, best_runs = [], [], []
     probe = EntropyProbe() if entropy else None  # the measured runs only, not the warm-up
     for i, prompt in enumerate(prompts):
         ar_runs.append(generate(target, _as_row(prompt), None, generator=gen(i), **kw))
         spec_runs.append(
             generate(target, _as_row(prompt), drafter, generator=gen(i), probe=probe, **spec_kw)
         )
+        if baseline is not None:  # interleaved with the other two, prompt by prompt
+            best_runs.append(generate(baseline, _as_row(prompt), None, generator=gen(i), **kw))
 
     stats = acceptance_stats(spec_runs, max(max(r.draft_lens, default=k) for r in spec_runs))
     ar_time = sum(r.total_s for r in ar_runs)
@@ -155,6 +166,11 @@ def evaluate(
         "tokens_per_s": spec_tps,
         "ar_tokens_per_s": ar_tps,
         "speedup": spec_tps / ar_tps,
+        # Against the fastest AR this machine runs (its best dtype; docs/design.md §3): the
+        # AR above when no faster baseline was given.
+        "best_ar_dtype": str((baseline or target).dtype).removeprefix("torch."),
+        "best_ar_tokens_per_s": ar_tps,
+        "speedup_best_ar": spec_tps / ar_tps,
         "wall_time_ratio": ar_time / spec_time,
         "predicted_speedup": stats["tau"] * t_target_1 / (t_verify + t_draft),
         "t_target_step_ms": 1e3 * t_target_1,
@@ -170,6 +186,10 @@ def evaluate(
         "device": str(device),
         "dtype": str(target.dtype).removeprefix("torch."),
     }
+    if baseline is not None:
+        best_tps = sum(r.num_tokens for r in best_runs) / sum(r.total_s for r in best_runs)
+        out["best_ar_tokens_per_s"] = best_tps
+        out["speedup_best_ar"] = spec_tps / best_tps
     sizes = [n for r in spec_runs for n, d in zip(r.tree_sizes, r.draft_lens) if d > 0]
     if tree is not None and sizes:
         out["tree_size"] = sum(sizes) / len(sizes)

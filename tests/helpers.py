@@ -29,9 +29,9 @@ V = 128  # the tiny target's vocabulary
 NO_EOS: list[int] = []
 PROMPTS = ["hello there", "write a poem about the sea", "Q: capital of France?"]
 
-# The tiny random target, its tiny data, no logger, on the CPU: a training run small enough
-# for a test.
-TINY_CPU_RUN = ("target=tiny_random", "data=tiny", "logger=none", "device=cpu")
+# The tiny random target, its tiny data, no logger, on the CPU, decoding in a fixed dtype
+# (not auto: a test's outcome must not depend on the machine): a run small enough for a test.
+TINY_CPU_RUN = ("target=tiny_random", "data=tiny", "logger=none", "device=cpu", "decode.dtype=bf16")
 
 
 # -- configs and run directories ---------------------------------------------------------

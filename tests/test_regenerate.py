@@ -2,6 +2,8 @@
 output, and a cache that resumes after a crash, is keyed by the settings, and keeps the
 default data config's key."""
 
+import torch
+
 from tests.helpers import CONF, greedy_tokens, write_rows
 from train.data.chat import CHAT_TEMPLATES, resolve_chat_template
 from train.data.prepare import prepare_data
@@ -93,3 +95,17 @@ def test_default_regeneration_cache_key_is_unchanged(smollm2_tokenizer):
         cfg.regen_dtype,
     )
     assert _sha(key) == "fff452cf1ef00c83"
+
+
+def test_regeneration_leaves_the_callers_random_stream_alone(tiny_target, tmp_path):
+    """A training run builds its draft after the data: its initial weights must be the same
+    whether the answers were generated in this process or read from the cache."""
+    prompts = [[1, 5, 9, 14], [2, 6, 10, 3, 7]]
+    for temperature in (0.0, 1.0):  # greedy and sampled generation
+        torch.manual_seed(123)
+        regenerate(tiny_target, prompts, max_new_tokens=6, temperature=temperature,
+                   dtype="float32", cache_dir=str(tmp_path / f"t{temperature}"), progress=False)  # fmt: skip
+        after_generating = torch.rand(4)
+        torch.manual_seed(123)
+        after_nothing = torch.rand(4)
+        assert torch.equal(after_generating, after_nothing)

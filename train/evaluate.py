@@ -35,6 +35,7 @@ from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
 from decoding.metrics import evaluate
 from decoding.tree import TreeSpec
+from models.dtype_choice import choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from train.step_stats import decode_samplings
@@ -56,6 +57,30 @@ def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
     return cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
 
 
+def decode_copies(
+    target: Target, dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict],
+    cache_dir: str | None,
+) -> DecodeCopies:  # fmt: skip
+    """The frozen target in decode.dtype ("auto": the faster dtype for one verify forward of
+    k + 1 tokens, or tree size + 1, on this machine), and in the dtype of the machine's
+    fastest AR step when that is another, for the speedup against the best AR
+    (models/dtype_choice.py; docs/design.md §3)."""
+    lengths = sorted(len(p["input_ids"]) for p in eval_prompts) or [64]
+    cached = max(32, 32 * round((lengths[len(lengths) // 2] + dec.max_new_tokens / 2) / 32))
+    width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    choices = {}
+    for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
+        shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached}
+        measure = lambda dtype, new=new: time_forward(target, dtype, 1, new, cached)  # noqa: E731
+        choices[use] = choose_dtype(use, setting, shapes, measure, target.device, cache_dir)
+        if choices[use].source != "explicit":
+            print(f"dtype {choices[use].describe()}", flush=True)
+    decode_dtype, ar_dtype = (resolve_dtype(choices[u].dtype) for u in ("decode", "ar"))
+    copy_ = decode_copy(target, decode_dtype)
+    baseline = None if ar_dtype == decode_dtype else decode_copy(target, ar_dtype)
+    return DecodeCopies(copy_, {u: c.as_record() for u, c in choices.items()}, baseline)
+
+
 # What the compiled path reports beside the eager keys, as <tag>/compiled_<key>.
 COMPILED_KEYS = ("tau", "speedup", "tokens_per_s", "ar_tokens_per_s", "wall_time_ratio",
                  "greedy_match_rate")  # fmt: skip
@@ -66,6 +91,8 @@ class DecodeCopies:
     """What evaluate_checkpoint keeps for a run's next checkpoint."""
 
     target: Target  # the frozen target in the decoding dtype
+    dtypes: dict  # decode.dtype's choice and the fastest AR's (models/dtype_choice.py)
+    baseline: Target | None = None  # the frozen target in the fastest AR's dtype, if another
     compiled: CompiledTarget | None = None  # decode.compile: its compiled target, and the
     draft: torch.nn.Module | None = None  # draft copy (weights copied in at each checkpoint)
     drafter: Drafter | None = None  # and drafter whose graphs read them
@@ -107,14 +134,13 @@ def evaluate_checkpoint(
 ) -> tuple[dict, DecodeCopies]:
     """-> (flat JSON-able metrics, the decoding copies to reuse at the next checkpoint)."""
     dec = cfg.decode
-    dtype = resolve_dtype(dec.get("dtype", "bfloat16"))
     k = int(dec.get("k", 4))
     tree = None  # decode=tree_static / tree_dynamic: draft trees (decoding/tree.py)
     if dec.get("tree") is not None:
         tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
     if target_eval is None:
-        target_eval = DecodeCopies(decode_copy(target, dtype))
-    draft_eval = draft_decode_copy(draft, dtype)
+        target_eval = decode_copies(target, dec, tree, eval_prompts, cfg.data.get("cache_dir"))
+    draft_eval = draft_decode_copy(draft, target_eval.target.dtype)
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = draft_eval.decoding_target(target_eval.target)
@@ -137,6 +163,7 @@ def evaluate_checkpoint(
             target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
         )
     samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
+    result["dtypes"] = target_eval.dtypes
     for tag, sampling in samplings.items():
         kw = dict(
             k=k,
@@ -148,7 +175,7 @@ def evaluate_checkpoint(
             tree=tree,
         )
         with torch.no_grad():
-            m = evaluate(decode_target, drafter, prompts, **kw)
+            m = evaluate(decode_target, drafter, prompts, baseline=target_eval.baseline, **kw)
             if compiled is not None:
                 mc = evaluate(*compiled, prompts, entropy=False, **kw)  # COMPILED_KEYS only
                 result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
@@ -165,6 +192,7 @@ def evaluate_checkpoint(
     first = "greedy" if "greedy" in samplings else next(iter(samplings))
     result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
     result["speedup"] = result.get(f"{first}/speedup")
+    result["speedup_best_ar"] = result.get(f"{first}/speedup_best_ar")
     if compiled is not None:
         result["speedup_compiled"] = result[f"{first}/compiled_speedup"]
         result["compile_s"] = STATS.seconds - seconds  # 0 once a run's graphs exist
@@ -187,6 +215,8 @@ def format_eval_table(evals: list[dict]) -> str:
             row = (
                 f"| {ev.get('step', '?')} | {tag} | {tau:.3f} | {alpha} "
                 f"| {ev.get(f'{tag}/speedup', float('nan')):.2f}x "
+                f"| {ev.get(f'{tag}/speedup_best_ar', float('nan')):.2f}x "
+                f"({ev.get(f'{tag}/best_ar_dtype', '?')}) "
                 f"| {ev.get(f'{tag}/tokens_per_s', float('nan')):.1f} "
                 f"| {ev.get(f'{tag}/ar_tokens_per_s', float('nan')):.1f} |"
             )
@@ -197,8 +227,11 @@ def format_eval_table(evals: list[dict]) -> str:
                     f"| {ev.get(f'{tag}/compiled_ar_tokens_per_s', float('nan')):.1f} |"
                 )
             rows.append(row)
-    head = "| step | sampling | τ | α per position | speedup vs AR | tok/s spec | tok/s AR |"
-    rule = "|---|---|---|---|---|---|---|"
+    head = (
+        "| step | sampling | τ | α per position | speedup vs AR | vs the fastest AR (its dtype) "
+        "| tok/s spec | tok/s AR |"
+    )
+    rule = "|---|---|---|---|---|---|---|---|"
     if compiled:
         head += " speedup compiled (vs compiled AR) | tok/s spec compiled | tok/s AR compiled |"
         rule += "---|---|---|"

@@ -214,10 +214,16 @@ def checkpoint_and_evaluate(
 
 def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRecords) -> dict:
     """summary.json, and the evaluation table printed at the end of a run."""
+    last_eval = records.evals[-1] if records.evals else {}
     summary |= {
+        # The dtypes chosen for this run (models/dtype_choice.py), with the timings behind them
+        "dtypes": {
+            "regenerate": summary["data_stats"].get("regen_dtype"),
+            **last_eval.get("dtypes", {}),
+        },
         "last_checkpoint": records.last_checkpoint,
         "final_train": records.last_train,
-        "final_eval": records.evals[-1] if records.evals else None,
+        "final_eval": last_eval or None,
         "tau_curve": [[e["step"], e.get("tau")] for e in records.evals],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -32,6 +32,12 @@ def _named(where: str, check: Callable, *args, **kwargs):
         raise ValueError(f"{where}: {err}") from None
 
 
+def check_dtype(where: str, value) -> None:
+    """A dtype name, or "auto" (measured on this machine: models/dtype_choice.py)."""
+    if value != "auto":
+        _named(where, resolve_dtype, value)
+
+
 def check_train(tc: DictConfig) -> None:
     for key in ("steps", "batch_size", "grad_accum", "log_every", "ckpt_every"):
         if not tc[key] >= 1:
@@ -102,7 +108,7 @@ def check_decode(dec: DictConfig) -> None:
         )
     if not dec.warmup >= 0:
         raise ValueError(f"decode.warmup (untimed prompts) must be >= 0, got {dec.warmup}")
-    _named("decode.dtype", resolve_dtype, dec.dtype)
+    check_dtype("decode.dtype", dec.dtype)
     if dec.get("compile", False) not in (True, False):
         raise ValueError(f"decode.compile must be true or false, got {dec.compile!r}")
     if dec.get("compile", False):
@@ -170,7 +176,7 @@ def check_replay(replay: DictConfig) -> None:
     sampling = Sampling(temperature=float(args["temperature"]), top_p=float(args["top_p"]))
     _named("replay", check_sampling, sampling)
     if args["dtype"] is not None:
-        _named("replay.dtype", resolve_dtype, args["dtype"])
+        check_dtype("replay.dtype", args["dtype"])
     for key in ("rejected_weight", "position_decay"):
         if not args[key] >= 0:
             raise ValueError(f"replay.{key} must be >= 0, got {args[key]}")
@@ -181,6 +187,7 @@ def check_settings(cfg: DictConfig) -> None:
     check_train(cfg.train)
     check_loss_and_optim(cfg)
     check_decode(cfg.decode)
+    check_dtype("data.regen_dtype", cfg.data.get("regen_dtype", "auto"))
     check_draft_decode(cfg)
     if cfg.train.eval_at_ckpt and not cfg.data.num_eval >= 1:
         raise ValueError(

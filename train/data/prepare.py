@@ -23,6 +23,7 @@ import datasets
 import torch
 from torch import Tensor
 
+from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.target import Target
 from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
 from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
@@ -142,6 +143,22 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, Tensor]:
 # ---------------------------------------------------------------------------------
 
 
+def regen_dtype_choice(
+    target: Target, setting: str, items: list[dict], rows: int, max_new_tokens: int,
+    cache_dir: str | None,
+) -> DtypeChoice:  # fmt: skip
+    """data.regen_dtype, or with "auto" the faster dtype for batched generation on this
+    machine (models/dtype_choice.py): one step of `rows` rows over a cache as long as a
+    typical prompt plus half an answer (rounded to 32 tokens, so similar data share a key)."""
+    prompt = sorted(len(it["ids"]) for it in items)[len(items) // 2]
+    cached = max(32, 32 * round((prompt + max_new_tokens / 2) / 32))
+    shapes = {"target": target.name, "rows": rows, "new": 1, "cached": cached}
+    return choose_dtype(
+        "regenerate", setting, shapes,
+        lambda dtype: time_forward(target, dtype, rows, 1, cached), target.device, cache_dir,
+    )  # fmt: skip
+
+
 def prepare_data(
     target: Target,
     source: str = "embedded",
@@ -156,7 +173,7 @@ def prepare_data(
     temperature: float = 0.0,
     top_p: float = 1.0,
     regen_batch_size: int = 16,
-    regen_dtype: str = "bfloat16",
+    regen_dtype: str = "auto",
     seed: int = 0,
     cache_dir: str | None = None,
     stdlib_files: int = 150,
@@ -263,6 +280,12 @@ def prepare_data(
         it["stream"] = "regen" if regenerate else "source"
 
     if regenerate and items:
+        choice = regen_dtype_choice(
+            target, regen_dtype, items, regen_batch_size, max_new_tokens, cache_dir
+        )
+        stats["regen_dtype"] = choice.as_record()
+        if progress and choice.source != "explicit":
+            print(f"dtype {choice.describe()}", flush=True)
         answers, stats["regen"] = regenerate_responses(
             target,
             [it["ids"] for it in items],
@@ -270,7 +293,7 @@ def prepare_data(
             temperature=temperature,
             top_p=top_p,
             batch_size=regen_batch_size,
-            dtype=regen_dtype,
+            dtype=choice.dtype,
             seed=seed,
             cache_dir=cache_dir,
             chat_template=template,

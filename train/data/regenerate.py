@@ -158,15 +158,20 @@ def regenerate(
                 for row, i in enumerate(batch):
                     input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                     attention_mask[row, width - len(prompts[i]) :] = 1
-                torch.manual_seed(seed + b)
-                generated = model.generate(
-                    input_ids=input_ids.to(target.device),
-                    attention_mask=attention_mask.to(target.device),
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=sorted(eos),
-                    pad_token_id=pad_id,
-                    **sampling,
-                )[:, width:].tolist()  # [B, <= max_new_tokens]
+                # generate samples from the global RNG: seed it per batch inside a fork, so
+                # the caller's stream (a training run's draft init) is the same whether the
+                # answers were generated now or read from the cache.
+                cuda = [target.device] if target.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=cuda):
+                    torch.manual_seed(seed + b)
+                    generated = model.generate(
+                        input_ids=input_ids.to(target.device),
+                        attention_mask=attention_mask.to(target.device),
+                        max_new_tokens=max_new_tokens,
+                        eos_token_id=sorted(eos),
+                        pad_token_id=pad_id,
+                        **sampling,
+                    )[:, width:].tolist()  # [B, <= max_new_tokens]
                 lines = []
                 for i, new in zip(batch, generated, strict=True):
                     stop = next((j for j, t in enumerate(new) if t in eos), None)

@@ -1,0 +1,144 @@
+"""`dtype: auto`: pick float32 or bfloat16 for one use of the target by timing both on this
+machine, per shape, and remember the verdict per machine.
+
+Why: which dtype is faster depends on the CPU and on the shape, not on habit. With native
+bf16 kernels a bf16 verify of k+1 tokens costs about one step; on a CPU with AVX2 only the
+same bf16 verify costs several steps while float32 costs less than two, and batched bf16
+regeneration runs several times slower than float32 (docs/portable.md has the figures and
+the commands that measured them). So every use is decided on its own shapes: the
+regeneration batch, the AR step and the verify width of decoding.
+
+A choice is keyed by the machine (CPU model, ATen's CPU capability, the oneDNN ISA cap, the
+torch version, the thread count), the use and its shapes, and cached as one JSON file per
+key under `<cache>/dtype/`, so later runs on the same machine reuse it without measuring.
+On CUDA the answer is bfloat16 without measuring. An explicit dtype is never replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from models.dtypes import cast_keep_rotary, resolve_dtype
+from models.target import Target
+
+CANDIDATES = ("float32", "bfloat16")
+
+
+@dataclass
+class DtypeChoice:
+    use: str  # "decode", "regenerate", ...
+    dtype: str  # "float32" | "bfloat16" (or the explicit setting)
+    source: str  # "explicit" | "cuda" | "measured" | "cached"
+    seconds: dict[str, float] = field(default_factory=dict)  # median per candidate
+    shapes: dict = field(default_factory=dict)
+
+    def as_record(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items())
+        return f"{self.use}: {self.dtype} ({self.source}{'; ' + times if times else ''})"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, else platform's word)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key() -> dict[str, str | int]:
+    """What makes timings on one machine valid on another: the same CPU model, the same
+    kernels ATen and oneDNN may use, the same torch, the same number of threads."""
+    return {
+        "cpu": cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def pick_fastest(seconds: dict[str, float]) -> str:
+    """The candidate with the smallest time; on a tie the first listed (float32 first:
+    exact where bf16 rounds)."""
+    if not seconds:
+        raise ValueError("pick_fastest needs at least one timing")
+    return min(seconds, key=lambda name: (seconds[name], list(seconds).index(name)))
+
+
+def cache_file(cache_dir: str | Path | None, key: dict) -> Path:
+    root = Path(
+        cache_dir or os.environ.get("DRAFTLAB_CACHE") or Path.home() / ".cache" / "draftlab"
+    )
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / "dtype" / f"{digest}.json"
+
+
+def choose_dtype(
+    use: str,
+    setting: str,
+    shapes: dict,
+    measure: Callable[[torch.dtype], float],
+    device: torch.device,
+    cache_dir: str | Path | None = None,
+) -> DtypeChoice:
+    """The dtype for `use`: `setting` itself unless it is "auto"; on CUDA bfloat16; else the
+    faster of CANDIDATES by `measure(dtype)` (seconds), read from the cache when this machine
+    measured the same use and shapes before, and written to it otherwise."""
+    if setting != "auto":
+        name = str(resolve_dtype(setting)).removeprefix("torch.")
+        return DtypeChoice(use, name, "explicit", shapes=shapes)
+    if device.type == "cuda":
+        return DtypeChoice(use, "bfloat16", "cuda", shapes=shapes)
+    key = {**machine_key(), "use": use, "shapes": shapes}
+    path = cache_file(cache_dir, key)
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        return DtypeChoice(use, cached["dtype"], "cached", cached["seconds"], shapes)
+    seconds = {name: measure(resolve_dtype(name)) for name in CANDIDATES}
+    choice = DtypeChoice(use, pick_fastest(seconds), "measured", seconds, shapes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"key": key, "dtype": choice.dtype, "seconds": seconds}, indent=1))
+    tmp.replace(path)  # atomic: a reader sees the whole verdict or none
+    return choice
+
+
+@torch.no_grad()
+def time_forward(
+    target: Target, dtype: torch.dtype, rows: int, new_tokens: int, cached: int, repeats: int = 5
+) -> float:
+    """Median seconds of one target forward of [rows, new_tokens] tokens over a KV cache of
+    `cached` tokens, on a copy of the target in `dtype` (float32 rotary, as decoding casts)."""
+    model = (
+        target.model
+        if target.dtype == dtype
+        else cast_keep_rotary(copy.deepcopy(target.model), dtype)
+    )
+    probe = Target(model, target.tokenizer, name=target.name)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (rows, cached), generator=g).to(target.device)
+    step = torch.randint(0, target.vocab_size, (rows, new_tokens), generator=g).to(target.device)
+    times = []
+    for _ in range(repeats + 1):  # the first call warms the kernels and is not counted
+        out = probe(prefix, use_cache=True)
+        t0 = time.perf_counter()
+        probe(step, cache=out.cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
