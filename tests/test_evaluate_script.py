@@ -29,7 +29,15 @@ DECODE = [
 ]
 # Wall-clock figures (tokens/s, speedups, per-round ms, time shares) differ between any two
 # evaluations; every other metric must not.
-TIMING = ("tokens_per_s", "speedup", "_ratio", "_ms", "_share")
+TIMING = (
+    "tokens_per_s",
+    "speedup",
+    "_ratio",
+    "_ms",
+    "_share",
+    "_best_ar",
+    "dtypes",
+)  # dtypes: timed
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,9 @@ def test_regeneration_cache_resumes_and_is_keyed_by_settings(tiny_target, tmp_pa
 
 def test_default_regeneration_cache_key_is_unchanged(smollm2_tokenizer):
     """The default data config keys SmolLM2's regeneration cache as before: a change here
-    would silently re-answer the 256 prompts on every machine with a cache."""
+    would silently re-answer the 256 prompts on every machine with a cache. The default
+    dtype is `auto`: a machine whose measurement picks bfloat16 (the former default) keeps
+    its cache; one that picks float32 answers once more, in its faster dtype."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
@@ -92,7 +94,7 @@ def test_default_regeneration_cache_key_is_unchanged(smollm2_tokenizer):
         cfg.top_p,
         cfg.seed,
         resolve_chat_template(tok, cfg.chat_template),
-        cfg.regen_dtype,
+        "bfloat16" if cfg.regen_dtype == "auto" else cfg.regen_dtype,
     )
     assert _sha(key) == "fff452cf1ef00c83"
 

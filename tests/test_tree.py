@@ -218,6 +218,7 @@ class FirstCandidateOracle:
     stops[b] and a wrong token after it; every other node is wrong too."""
 
     hidden_layers = ()
+    vocab_size = None  # any target's
 
     def __init__(self, refs: list[list[int]], stops: list[int]):
         self.refs, self.stops = refs, stops

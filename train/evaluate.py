@@ -61,17 +61,27 @@ def decode_copies(
     target: Target, dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict],
     cache_dir: str | None,
 ) -> DecodeCopies:  # fmt: skip
-    """The frozen target in decode.dtype ("auto": the faster dtype for one verify forward of
-    k + 1 tokens, or tree size + 1, on this machine), and in the dtype of the machine's
-    fastest AR step when that is another, for the speedup against the best AR
-    (models/dtype_choice.py; docs/design.md §3)."""
+    """The frozen target in decode.dtype ("auto": the faster dtype for decoding on this
+    machine), and in the dtype of the machine's fastest AR when that is another, for the
+    speedup against the best AR (models/dtype_choice.py; docs/design.md §3). Each is timed as
+    a decode costs per token: one forward of its width (a verify of k + 1 tokens or tree
+    size + 1; an AR step) over a typical cache, plus the prompt's prefill spread over
+    max_new_tokens, since a dtype that is fast for one row can be slow for many (a CPU
+    without native bf16: docs/portable.md)."""
     lengths = sorted(len(p["input_ids"]) for p in eval_prompts) or [64]
-    cached = max(32, 32 * round((lengths[len(lengths) // 2] + dec.max_new_tokens / 2) / 32))
+    prompt = max(32, 32 * round(lengths[len(lengths) // 2] / 32))
+    cached = max(32, 32 * round((prompt + dec.max_new_tokens / 2) / 32))
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    per = int(dec.max_new_tokens)
     choices = {}
     for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
-        shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached}
-        measure = lambda dtype, new=new: time_forward(target, dtype, 1, new, cached)  # noqa: E731
+        shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached,
+                  "prefill": prompt, "per": per}  # fmt: skip
+
+        def measure(dtype, new=new):
+            prefill = time_forward(target, dtype, 1, prompt, 1)
+            return time_forward(target, dtype, 1, new, cached) + prefill / per
+
         choices[use] = choose_dtype(use, setting, shapes, measure, target.device, cache_dir)
         if choices[use].source != "explicit":
             print(f"dtype {choices[use].describe()}", flush=True)
@@ -139,7 +149,9 @@ def evaluate_checkpoint(
     if dec.get("tree") is not None:
         tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
     if target_eval is None:
-        target_eval = decode_copies(target, dec, tree, eval_prompts, cfg.data.get("cache_dir"))
+        target_eval = decode_copies(
+            target, dec, tree, eval_prompts, (cfg.get("data") or {}).get("cache_dir")
+        )
     draft_eval = draft_decode_copy(draft, target_eval.target.dtype)
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
