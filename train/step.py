@@ -202,7 +202,9 @@ def offset_losses(
             labels = _rows_at(torch.cat([ids[:, 1:], pad], 1), off, index).reshape(
                 -1
             )  # x_{t+off+1}
-        log_norm = _rows_at(cutoffs[0], off, index)[..., 1].reshape(-1)  # [N]
+        log_norm = None  # [N] the full-vocabulary logsumexp, for the losses that declare it
+        if loss.loss.full_vocab_alpha:
+            log_norm = _rows_at(cutoffs[0], off, index)[..., 1].reshape(-1)
         loss_sum = loss.sum(d, t, loss_mask, labels=labels, target_log_norm=log_norm)
         if out.base_logits is not None and out.base_loss_weight > 0:  # Domino's curriculum
             base = out.base_logits[i] if index is not None else out.base_logits[i][:, : T - off]
