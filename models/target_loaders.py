@@ -68,6 +68,12 @@ def _load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def load_dtype(dtype: str) -> torch.dtype:
+    """The dtype to load in: "auto" loads float32, and the user picks the dtype it runs in
+    (the training loop times both: train/machine.py; decoding has decode.dtype)."""
+    return resolve_dtype("float32" if dtype == "auto" else dtype)
+
+
 def load_hf_target(path: str, dtype: str = "float32", device: str = "auto") -> Target:
     """Any HF causal LM from a hub id or a local directory, frozen."""
     local = Path(path).expanduser()
@@ -87,7 +93,7 @@ def load_hf_target(path: str, dtype: str = "float32", device: str = "auto") -> T
             "directory, or `target=smollm2_135m` for the embedded default."
         ) from err
     tokenizer = _load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype(dtype))
     model.to(resolve_device(device))
     name = str(local.resolve()) if looks_local else path
     return Target(model, tokenizer, name=name)
@@ -226,7 +232,7 @@ def build_tiny_random(
         model.get_input_embeddings().weight.mul_(8.0)
         if not tie_word_embeddings:
             model.get_output_embeddings().weight.mul_(8.0)
-    cast_keep_rotary(model.to(resolve_device(device)), resolve_dtype(dtype))
+    cast_keep_rotary(model.to(resolve_device(device)), load_dtype(dtype))
     # The name keys the regeneration cache: every setting that changes the model is in it.
     name = f"tiny_random-s{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}"
     name += "" if arch == "llama" else f"-{arch}"

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra.utils
@@ -44,6 +45,7 @@ from train.data.prepare import PreparedData, collate, prepare_data
 from train.evaluate import DecodeCopies, evaluate_checkpoint, format_eval_table
 from train.feature_cache import FeatureCache, build_feature_cache
 from train.formats.init_from import init_draft_from
+from train.machine import choose_autocast, set_target_dtype, share_threads
 from train.replay import Replay
 from train.report.tracking import RunLog, finish_tracking, init_tracking, tracker
 from train.schedule import global_rows, lr_lambda, rank_chunks
@@ -66,9 +68,12 @@ def instantiate(node: DictConfig, **kwargs):
 
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:
+    """train.bf16: true -> accelerate's bf16 autocast; "auto" -> the same on CUDA, and on a
+    CPU the measured choice (train/machine.py), applied by train_step itself."""
     device = str(cfg.device)
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    mixed = "bf16" if cfg.train.bf16 else "no"
+    bf16 = cfg.train.bf16
+    mixed = "bf16" if bf16 is True or (bf16 == "auto" and not cpu) else "no"
     return Accelerator(cpu=cpu, mixed_precision=mixed, log_with=tracker(cfg))
 
 
@@ -218,6 +223,7 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
     summary |= {
         # The dtypes chosen for this run (models/dtype_choice.py), with the timings behind them
         "dtypes": {
+            **summary.get("dtypes", {}),  # training: the target's dtype, the draft's autocast
             "regenerate": summary["data_stats"].get("regen_dtype"),
             **last_eval.get("dtypes", {}),
         },
@@ -248,16 +254,25 @@ def run(cfg: DictConfig) -> dict:
     set_seed(cfg.seed)
 
     # -- target, data, draft, optimizer ---------------------------------------------
-    target = instantiate(cfg.target)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes on this machine
+    threads = share_threads(local, accelerator.device)
+    target = instantiate(cfg.target)  # target.dtype=auto: loaded in float32, measured below
     target.to(accelerator.device)
     with accelerator.main_process_first():  # rank 0 fills the regeneration cache
         prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
     pad_id = target.tokenizer.pad_token_id
+    dtypes = {"train_target": set_target_dtype(cfg, target, train_rows[0])}
     draft = build_draft(cfg, target, prepared, warm_start=resume_from is None)
     offsets = preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
     features = feature_cache(cfg, accelerator, target, draft, train_rows)
     setup = StepSetup.from_config(cfg, offsets)
+    dtypes["train_draft"] = choose_autocast(tc.bf16, cfg, target, draft, setup, train_rows[0])
+    for choice in dtypes.values():
+        if main and choice.source != "explicit":
+            print(f"dtype {choice.describe()}", flush=True)
+    if tc.bf16 == "auto" and accelerator.device.type == "cpu":
+        setup = replace(setup, autocast=dtypes["train_draft"].dtype == "bfloat16")
     if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError("the draft has no trainable parameters; check draft.model settings")
     oc, budget = cfg.optim, tc.get("time_budget_s")
@@ -350,6 +365,8 @@ def run(cfg: DictConfig) -> dict:
             "steps_per_s": (done - start_step) / wall if wall > 0 else None,
             **window.totals(),  # tokens_per_s, target_time_share
             "data_stats": prepared.stats,
+            "threads": threads,  # torch threads per process and why (train/machine.py)
+            "dtypes": {use: choice.as_record() for use, choice in dtypes.items()},
         }
         summary = write_summary(cfg, run_dir, summary, records)
         finish_tracking(accelerator, cfg, summary)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -271,8 +272,9 @@ class Replay:
         self.win["rollout_s"] += time.perf_counter() - t0
 
     def backward(
-        self, step: int, draft, core, target: Target, accelerator, offline_positions: float
-    ) -> float:
+        self, step: int, draft, core, target: Target, accelerator, offline_positions: float,
+        autocast=nullcontext,  # the step's bf16 autocast context (train.bf16=auto on a CPU)
+    ) -> float:  # fmt: skip
         """Target + draft forward on a replay batch and backward of ratio * replay loss.
         Returns the replay share of this step's loss (0 while the buffer is empty), by which
         the caller scales the offline loss with (1 - share)."""
@@ -288,10 +290,11 @@ class Replay:
             t_out = target(
                 ids, attention_mask=attn, hidden_layers=tuple(core.hidden_layers), use_cache=False
             )
-        out = draft(target, ids, t_out, attn)
-        loss, acc, rej = replay_loss(
-            out, t_out.logits, batch, self.accepted, self.rejected, self.rejected_weight
-        )
+        with autocast():
+            out = draft(target, ids, t_out, attn)
+            loss, acc, rej = replay_loss(
+                out, t_out.logits, batch, self.accepted, self.rejected, self.rejected_weight
+            )
         accelerator.backward(self.ratio * loss)
         n_acc, n_rej = len(batch["acc_pos"]), len(batch["rej_pos"])
         self.win["acc_loss"] += float(acc)

@@ -188,6 +188,12 @@ def check_settings(cfg: DictConfig) -> None:
     check_loss_and_optim(cfg)
     check_decode(cfg.decode)
     check_dtype("data.regen_dtype", cfg.data.get("regen_dtype", "auto"))
+    check_dtype("target.dtype", cfg.target.get("dtype", "float32"))
+    if cfg.train.bf16 not in (True, False, "auto"):
+        raise ValueError(
+            f"train.bf16 must be true, false or auto (measured on this machine), got "
+            f"{cfg.train.bf16!r}"
+        )
     check_draft_decode(cfg)
     if cfg.train.eval_at_ckpt and not cfg.data.num_eval >= 1:
         raise ValueError(

@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 from accelerate import Accelerator
@@ -68,6 +69,9 @@ class StepSetup:
     offset_decay: float = 0.8  # train.offset_decay: weight gamma^i of offset i
     mask_out_of_vocab: bool = False  # train.mask_out_of_vocab
     max_grad_norm: float | None = None  # train.max_grad_norm; 0 / None = no clipping
+    # bf16 autocast of the draft's forward and loss, applied here: train.bf16=auto on a CPU
+    # where it measured faster (train/machine.py). train.bf16=true is accelerate's autocast.
+    autocast: bool = False
 
     @classmethod
     def from_config(cls, cfg: DictConfig, offsets: list[int]) -> StepSetup:
@@ -289,11 +293,16 @@ def train_step(
     stats = StepStats.zeros(n_off, len(setup.samplings), accelerator.device)
     target_s = 0.0
     replay_share = 0.0  # replay's share of the loss; the offline part gets 1 - share
+    autocast = partial(
+        torch.autocast, accelerator.device.type, torch.bfloat16, enabled=setup.autocast
+    )
     if replay is not None:  # own rollouts + backward, before the syncing micro-batch
         replay.maybe_rollout(step, target, core)
         with accelerator.no_sync(draft):
             offline = float(counts[0]) / world  # this rank's share, for the log
-            replay_share = replay.backward(step, draft, core, target, accelerator, offline)
+            replay_share = replay.backward(
+                step, draft, core, target, accelerator, offline, autocast
+            )
     for a, b in enumerate(micro):
         t0 = time.perf_counter()
         t_out = target_output(target, core, b, rows[a], features)
@@ -302,10 +311,11 @@ def train_step(
         target_s += time.perf_counter() - t0
         sync = a == len(micro) - 1
         with accelerator.no_sync(draft) if not sync else nullcontext():
-            out = draft(target, b["input_ids"], t_out, b["attention_mask"], b["loss_mask"])
-            loss = offset_losses(out, t_out.logits, b, counts, setup, stats)
+            with autocast():
+                out = draft(target, b["input_ids"], t_out, b["attention_mask"], b["loss_mask"])
+                loss = offset_losses(out, t_out.logits, b, counts, setup, stats)
+                aux = aux_loss(out, t_out.logits, b["attention_mask"])
             loss = loss * world * (1.0 - replay_share)
-            aux = aux_loss(out, t_out.logits, b["attention_mask"])
             if aux is not None:
                 loss = loss + aux / len(micro)
                 stats.aux += aux.detach().float() / len(micro)

@@ -1,0 +1,90 @@
+"""Training dtypes chosen by measurement (train/machine.py): target.dtype=auto and
+train.bf16=auto follow the timings, the choice is applied to the run, and threads are shared
+among a machine's processes."""
+
+import json
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+
+import train.machine
+from tests.helpers import compose_debug, metrics_records
+from train.loop import run
+
+
+def fake_timings(monkeypatch, fast: str) -> None:
+    """Every probe in train/machine.py times `fast` at 1 ms and the other dtype at 9 ms: the
+    probe calls its forward in the dtype it measures, so the dtype is read off the call."""
+    seen = []
+
+    def median_seconds(fn, repeats=3):
+        seen.append(fn)
+        return 0.001 if (len(seen) % 2 == 1) == (fast == "float32") else 0.009
+
+    monkeypatch.setattr(train.machine, "median_seconds", median_seconds)
+
+
+@pytest.mark.parametrize("fast", ["float32", "bfloat16"])
+def test_auto_training_dtypes_follow_the_timings(tmp_path, monkeypatch, fast):
+    fake_timings(monkeypatch, fast)  # CANDIDATES order: float32 measured first, then bfloat16
+    cfg = compose_debug(
+        tmp_path / "run", "target.dtype=auto", "train.bf16=auto", f"data.cache_dir={tmp_path}/c"
+    )
+    summary = run(cfg)
+    dtypes = summary["dtypes"]
+    assert dtypes["train_target"]["dtype"] == fast
+    assert dtypes["train_draft"]["dtype"] == fast
+    assert dtypes["train_target"]["source"] == "measured"
+    assert set(dtypes["train_target"]["seconds"]) == {"float32", "bfloat16"}
+
+
+def _first_loss(tmp_path, name, *overrides) -> float:
+    cfg = compose_debug(tmp_path / name, "train.steps=1", "train.eval_at_ckpt=false",
+                        f"data.cache_dir={tmp_path}/c", *overrides)  # fmt: skip
+    AcceleratorState._reset_state(reset_partial_state=True)  # mixed precision differs per run
+    run(cfg)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return [r for r in metrics_records(tmp_path / name) if r["kind"] == "train"][0]["loss"]
+
+
+def test_measured_bf16_autocast_is_applied_to_the_step(tmp_path, monkeypatch):
+    """A measured bf16 choice autocasts the draft like train.bf16=true does; float32 does not."""
+    fp32 = _first_loss(tmp_path, "fp32", "train.bf16=false")
+    bf16 = _first_loss(tmp_path, "bf16", "train.bf16=true")
+    assert fp32 != bf16  # bf16 autocast changes the first loss, or the test could not tell
+    fake_timings(monkeypatch, "bfloat16")
+    auto = _first_loss(tmp_path, "auto", "train.bf16=auto", "data.cache_dir=" + str(tmp_path / "d"))
+    assert auto != fp32
+    assert auto == pytest.approx(bf16, rel=1e-2)
+
+
+def test_cached_choice_is_reused_without_measuring(tmp_path, monkeypatch):
+    fake_timings(monkeypatch, "float32")
+    overrides = ("target.dtype=auto", "train.bf16=auto", "train.steps=1",
+                 "train.eval_at_ckpt=false", f"data.cache_dir={tmp_path}/c")  # fmt: skip
+    run(compose_debug(tmp_path / "a", *overrides))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached choice was measured again")
+
+    monkeypatch.setattr(train.machine, "median_seconds", refuse)
+    summary = json.loads(json.dumps(run(compose_debug(tmp_path / "b", *overrides))))
+    assert summary["dtypes"]["train_target"]["source"] == "cached"
+    assert summary["dtypes"]["train_draft"]["source"] == "cached"
+
+
+def test_threads_are_the_cores_shared_by_processes(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(train.machine.os, "sched_getaffinity", lambda pid: set(range(8)))
+    try:
+        record = train.machine.share_threads(2, torch.device("cpu"))
+        assert record["threads"] == 4 == torch.get_num_threads()
+        assert train.machine.share_threads(16, torch.device("cpu"))["threads"] == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(3)
+        assert train.machine.share_threads(2, torch.device("cpu"))["source"] == "OMP_NUM_THREADS"
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

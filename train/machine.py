@@ -1,0 +1,132 @@
+"""What this machine runs fastest for training: threads per process, the frozen target's
+dtype (`target.dtype: auto`) and the draft's autocast (`train.bf16: auto`), chosen by timing
+the shapes a step runs (models/dtype_choice.py does the choosing and the per-machine cache).
+
+Why measure: on a CPU without native bf16 kernels (AVX2 only) a bf16 training step cost
+about 15x its float32 step, while on a CPU with avx512_bf16 the bf16 target and autocast were
+the faster recipe (docs/portable.md). A step's shapes are many-row forwards, where the two
+kinds of CPU differ most, so the probe is one row of up to 256 tokens: a GEMM as large in M
+as the step's, at a fraction of its cost.
+
+Threads: every process of a job takes an equal share of the cores this process may run on
+(torch's default is all physical cores per process: two ranks on two cores then run four
+threads and each forward slows several-fold). OMP_NUM_THREADS, when set, is left alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from omegaconf import DictConfig
+
+from models.dtype_choice import DtypeChoice, choose_dtype
+from models.dtypes import cast_keep_rotary, resolve_dtype
+from models.protocol import DraftModel
+from models.target import Target
+from train.step import StepSetup, StepStats, offset_losses, target_output
+
+PROBE_TOKENS = 256  # tokens of the probe row (or the row's length, if shorter)
+
+
+def share_threads(local_processes: int, device: torch.device) -> dict:
+    """Set torch's intra-op threads to this process's share of the usable cores (CPU runs
+    only; OMP_NUM_THREADS wins). Returns what was decided, for summary.json."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    record = {"cores": cores, "processes_here": local_processes, "source": "default"}
+    if device.type == "cpu":
+        if os.environ.get("OMP_NUM_THREADS"):
+            record["source"] = "OMP_NUM_THREADS"
+        else:
+            torch.set_num_threads(max(1, (cores or 1) // max(1, local_processes)))
+            record["source"] = "cores / processes"
+    record["threads"] = torch.get_num_threads()
+    return record
+
+
+def median_seconds(fn: Callable[[], None], repeats: int = 3) -> float:
+    """Median wall time of `fn` over `repeats` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe_batch(row: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """One training row cut to PROBE_TOKENS, as a [1, T] batch."""
+    ids = torch.tensor(row["input_ids"][:PROBE_TOKENS], device=device)[None]  # [1, T]
+    mask = torch.tensor(row["loss_mask"][:PROBE_TOKENS], device=device)[None]  # [1, T]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+
+
+def choose_target_dtype(
+    setting: str, target: Target, row: dict, cache_dir: str | None
+) -> DtypeChoice:
+    """target.dtype: as set, or with "auto" the faster of float32 and bfloat16 for the
+    training forward (no grad) on a copy of the target. Taps cost little beside the layers'
+    matmuls, and the draft that names them is built after the target has its dtype."""
+    batch = probe_batch(row, target.device)
+    shapes = {"target": target.name, "rows": 1, "tokens": batch["input_ids"].shape[1]}
+
+    def measure(dtype: torch.dtype) -> float:
+        probe = target
+        if target.dtype != dtype:
+            model = cast_keep_rotary(copy.deepcopy(target.model), dtype)
+            probe = Target(model, target.tokenizer, name=target.name)
+        with torch.no_grad():
+            return median_seconds(lambda: probe(batch["input_ids"], use_cache=False))
+
+    return choose_dtype("train_target", setting, shapes, measure, target.device, cache_dir)
+
+
+def choose_autocast(
+    setting: bool | str, cfg: DictConfig, target: Target, draft: DraftModel, setup: StepSetup,
+    row: dict,
+) -> DtypeChoice:  # fmt: skip
+    """train.bf16: true / false as set; "auto": bf16 autocast of the draft's forward and loss
+    when its forward + backward on one probe row is faster that way, timed on a copy of the
+    draft (the run's own draft is not touched)."""
+    if setting != "auto":
+        name = "bfloat16" if setting else "float32"
+        return DtypeChoice("train_draft", name, "explicit")
+    batch = probe_batch(row, target.device)
+    t_out = target_output(target, draft, batch, [0], None)
+    probe = copy.deepcopy(draft).train()
+    counts = torch.tensor(
+        [float(batch["loss_mask"][:, off:].sum()) for off in setup.offsets]
+    ).clamp_min(1.0)
+    shapes = {"target": target.name, "target_dtype": str(target.dtype), "rows": 1,
+              "tokens": batch["input_ids"].shape[1], "draft": cfg.draft.kind,
+              "draft_settings": repr(sorted(cfg.draft.model.items())),
+              "loss": repr(sorted(cfg.loss.items()))}  # fmt: skip
+
+    def measure(dtype: torch.dtype) -> float:
+        def step() -> None:
+            stats = StepStats.zeros(len(setup.offsets), len(setup.samplings))
+            with torch.autocast(target.device.type, torch.bfloat16, enabled=dtype != torch.float32):
+                out = probe(target, batch["input_ids"], t_out, batch["attention_mask"],
+                            batch["loss_mask"])  # fmt: skip
+                loss = offset_losses(out, t_out.logits, batch, counts, setup, stats)
+            loss.backward()
+            probe.zero_grad(set_to_none=True)
+
+        return median_seconds(step)
+
+    cache_dir = cfg.data.get("cache_dir")
+    return choose_dtype("train_draft", "auto", shapes, measure, target.device, cache_dir)
+
+
+def set_target_dtype(cfg: DictConfig, target: Target, row: dict) -> DtypeChoice:
+    """The target's training dtype (target.dtype; "auto": measured), the target cast to it
+    in place."""
+    choice = choose_target_dtype(str(cfg.target.dtype), target, row, cfg.data.get("cache_dir"))
+    if target.dtype != resolve_dtype(choice.dtype):
+        target.to(dtype=resolve_dtype(choice.dtype))
+    return choice
