@@ -125,7 +125,11 @@ def time_forward(
     target: Target, dtype: torch.dtype, rows: int, new_tokens: int, cached: int, repeats: int = 5
 ) -> float:
     """Median seconds of one target forward of [rows, new_tokens] tokens over a KV cache of
-    `cached` tokens, on a copy of the target in `dtype` (float32 rotary, as decoding casts)."""
+    `cached` tokens, on a copy of the target in `dtype` (float32 rotary, as decoding casts).
+    The cache is filled once from one row, without logits, and repeated to `rows` rows (a
+    many-row prefill with its [rows, cached, V] head output, in bf16 on a CPU without native
+    bf16, would cost far more than every timed forward together); it is cropped back after
+    each timed forward. Timing depends on the cache's size, not its contents."""
     model = (
         target.model
         if target.dtype == dtype
@@ -133,12 +137,15 @@ def time_forward(
     )
     probe = Target(model, target.tokenizer, name=target.name)
     g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, target.vocab_size, (rows, cached), generator=g).to(target.device)
+    prefix = torch.randint(0, target.vocab_size, (1, cached), generator=g).to(target.device)
     step = torch.randint(0, target.vocab_size, (rows, new_tokens), generator=g).to(target.device)
+    cache = probe(prefix, use_cache=True, logits=False).cache
+    if rows > 1:
+        cache.batch_repeat_interleave(rows)
     times = []
     for _ in range(repeats + 1):  # the first call warms the kernels and is not counted
-        out = probe(prefix, use_cache=True)
         t0 = time.perf_counter()
-        probe(step, cache=out.cache, use_cache=True)
+        probe(step, cache=cache, use_cache=True)
         times.append(time.perf_counter() - t0)
+        cache.crop(-new_tokens)  # back to `cached` entries
     return statistics.median(times[1:])

@@ -13,6 +13,11 @@ Trained heads (checkpoint directories, train/checkpoint.py; `fresh` = untrained 
 smoke runs only) add chain vs tree rows (decoding/tree.py):
   ours_medusa_chain / ours_medusa_static     Medusa heads, k-chain / static tree (--paths)
   ours_eagle_chain / ours_eagle_dynamic      EAGLE heads, k-chain / EAGLE-2 dynamic tree
+Every row runs in each `--dtype` (default float32 and bfloat16: which one is faster depends
+on the CPU and the shape, docs/portable.md); a dtype's rows are interleaved among
+themselves, and the JSON's `machine` says which CPU they hold for (model, ATen's CPU
+capability, oneDNN ISA cap, torch, threads). Compare dtypes side by side with
+scripts/bench_dtypes.py, which interleaves them.
 `--methods` keeps only the named rows (hf_generate and ours_ar are always measured).
 `--compile` adds the compiled path (decoding/compiled.py, docs/fastpath.md) beside every row
 of our loop: `<row>_compiled` runs the same drafter over a CompiledTarget (static KV cache,
@@ -81,6 +86,7 @@ from decoding.drafters.ngram import NgramDrafter
 from decoding.rounds import sync
 from decoding.tree import TreeSpec
 from models import eagle, medusa
+from models.dtype_choice import machine_key
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from models.target_loaders import build_tiny_random, load_smollm2
@@ -193,13 +199,69 @@ def bench(
     return rows
 
 
+def bench_dtype(args: argparse.Namespace, dtype: str) -> tuple[dict, CompiledRows | None]:
+    """Every row with the target (and its drafts) in `dtype`: label -> rows, and the
+    compiled pieces (None without --compile)."""
+    load = load_smollm2 if args.target == "smollm2" else build_tiny_random
+    target = load(dtype="float32", device="cpu")
+    target = target.to(device=args.device, dtype=resolve_dtype(dtype))
+    draft = truncated_draft(target, args.draft_layers, args.draft_last_layers)
+    tok = target.tokenizer
+    heads = {}
+    for kind, path in (("medusa", args.medusa), ("eagle", args.eagle)):
+        if path:
+            heads[kind] = load_heads(kind, path, target)
+    trees = {
+        "static": TreeSpec(paths=json.loads(args.paths)) if args.paths else TreeSpec(),
+        "dynamic": TreeSpec(
+            kind="dynamic", depth=args.tree_depth, top_k=args.tree_top_k, num_nodes=args.tree_nodes
+        ),
+    }
+
+    def encode(text: str) -> torch.Tensor:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )["input_ids"]
+        return torch.tensor([ids], device=target.device)
+
+    prompts = [encode(p) for p in PROMPTS[: args.num_prompts]]
+    warm = encode(PROMPTS[-1])
+    compiled = None
+    if args.compile:  # before any timing; the graphs serve every temperature
+        max_len = max(p.shape[1] for p in [*prompts, warm]) + args.max_new_tokens
+        compiled = build_compiled(
+            target, draft, heads, trees, args.k, max_len, args.compile_mode, args.methods
+        )
+        for name, seconds in compiled.compile_s.items():
+            print(f"[compile] {name}: {seconds:.1f}s, {compiled.graphs[name]} graphs", flush=True)
+    all_results = {}
+    for temp in args.temperatures:
+        sampling = Sampling(temperature=temp, top_p=args.top_p if temp > 0 else 1.0)
+        label = (
+            f"{target.name} {dtype} {args.device}, T={temp}, top_p={sampling.top_p}, k={args.k}, "
+            f"max_new_tokens={args.max_new_tokens}, {len(prompts)} prompts, draft = target layers "
+            f"first {args.draft_layers} + last {args.draft_last_layers}, {args.repeats} repeats"
+            + (f", compile mode {args.compile_mode}" if compiled else "")
+        )
+        all_results[label] = bench(
+            target, draft, prompts, warm, sampling, args.k, args.max_new_tokens, args.seed,
+            repeats=args.repeats, heads=heads, trees=trees, keep=args.methods, compiled=compiled,
+        )  # fmt: skip
+        print(markdown({label: all_results[label]}), flush=True)
+    return all_results, compiled
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--target", default="smollm2", choices=["smollm2", "tiny"])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument(
+        "--dtype", nargs="+", default=["float32", "bfloat16"],
+        help="the target's dtype(s); every row is run in each (which is faster differs per "
+        "CPU and shape: docs/portable.md)",
+    )  # fmt: skip
     ap.add_argument("--draft-layers", type=int, default=20, help="first N target layers")
     ap.add_argument("--draft-last-layers", type=int, default=6, help="+ the last M target layers")
     ap.add_argument("--k", type=int, default=4)
@@ -232,71 +294,25 @@ def main() -> None:
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
 
-    load = load_smollm2 if args.target == "smollm2" else build_tiny_random
-    target = load(dtype="float32", device="cpu")
-    target = target.to(device=args.device, dtype=resolve_dtype(args.dtype))
-    draft = truncated_draft(target, args.draft_layers, args.draft_last_layers)
-    tok = target.tokenizer
-    heads = {}
-    for kind, path in (("medusa", args.medusa), ("eagle", args.eagle)):
-        if path:
-            heads[kind] = load_heads(kind, path, target)
-    trees = {
-        "static": TreeSpec(paths=json.loads(args.paths)) if args.paths else TreeSpec(),
-        "dynamic": TreeSpec(
-            kind="dynamic", depth=args.tree_depth, top_k=args.tree_top_k, num_nodes=args.tree_nodes
-        ),
-    }
-
-    def encode(text: str) -> torch.Tensor:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
-        )["input_ids"]
-        return torch.tensor([ids], device=target.device)
-
-    prompts = [encode(p) for p in PROMPTS[: args.num_prompts]]
-    warm = encode(PROMPTS[-1])
-    t0 = time.perf_counter()
-    compiled = None
-    if args.compile:  # before any timing; the graphs serve every temperature
-        max_len = max(p.shape[1] for p in [*prompts, warm]) + args.max_new_tokens
-        compiled = build_compiled(
-            target, draft, heads, trees, args.k, max_len, args.compile_mode, args.methods
-        )
-        for name, seconds in compiled.compile_s.items():
-            print(f"[compile] {name}: {seconds:.1f}s, {compiled.graphs[name]} graphs", flush=True)
-    all_results = {}
-    for temp in args.temperatures:
-        sampling = Sampling(temperature=temp, top_p=args.top_p if temp > 0 else 1.0)
-        label = (
-            f"{target.name} {args.dtype} {args.device}, T={temp}, top_p={sampling.top_p}, k={args.k}, "
-            f"max_new_tokens={args.max_new_tokens}, {len(prompts)} prompts, draft = target layers "
-            f"first {args.draft_layers} + last {args.draft_last_layers}, {args.repeats} repeats"
-            + (f", compile mode {args.compile_mode}" if compiled else "")
-        )
-        all_results[label] = bench(
-            target, draft, prompts, warm, sampling, args.k, args.max_new_tokens, args.seed,
-            repeats=args.repeats, heads=heads, trees=trees, keep=args.methods, compiled=compiled,
-        )  # fmt: skip
-        print(markdown({label: all_results[label]}), flush=True)
+    print(f"machine: {json.dumps(machine_key())}", flush=True)  # what the figures hold for
+    all_results, compiles, t0 = {}, {}, time.perf_counter()
+    for dtype in args.dtype:  # each dtype's rows interleaved among themselves
+        results, compiled = bench_dtype(args, dtype)
+        all_results |= results
+        if compiled is not None:
+            compiles[dtype] = {"mode": compiled.mode, "seconds": compiled.compile_s,
+                               "graphs": compiled.graphs}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "args": vars(args),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "machine": machine_key(),  # CPU model, ATen capability, oneDNN ISA cap, torch, threads
         "bench_seconds": time.perf_counter() - t0,
         # What compiling cost, apart from every timing: per compiled target (its warm-up)
         # and per row (its drafter's build); `total_s` adds the warm-up calls' compiles.
         "compile": None
-        if compiled is None
-        else {
-            "mode": compiled.mode,
-            "seconds": compiled.compile_s,
-            "graphs": compiled.graphs,
-            "total_s": STATS.seconds,
-            "total_graphs": STATS.graphs,
-        },
+        if not compiles
+        else {"per_dtype": compiles, "total_s": STATS.seconds, "total_graphs": STATS.graphs},
         "results": all_results,
     }
     out.write_text(json.dumps(payload, indent=1))

@@ -146,3 +146,39 @@ def test_evaluation_reports_the_proxy_of_its_own_sampling(fp32_target):
     # no number rather than another temperature's.
     result, _ = evaluate_checkpoint(fp32_target, draft, prompts, cfg, {"sim_tau_greedy": 1.5})
     assert "T0.7/proxy_tau" not in result and "T0.7/tau" in result
+
+
+def _drafts(target):
+    from models import dflash, draft_lm, eagle, medusa, mtp
+
+    return {
+        "draft_lm": draft_lm.from_target(target, num_layers=1, init="random"),
+        "medusa": medusa.from_target(target, num_heads=2),
+        "eagle": eagle.from_target(target, None, vocab_size="full", ttt_steps=2),
+        "mtp": mtp.from_target(target, num_depths=2),
+        "dflash": dflash.from_target(target, None, block_size=4, vocab_size="full"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "eagle", "mtp", "dflash"])
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+def test_a_draft_in_another_dtype_than_the_target_decodes_losslessly(fp32_target, kind, draft_dtype):
+    """decode.draft_dtype is chosen apart from decode.dtype (train/evaluate.py:
+    draft_dtype_choice): every kind's drafter runs beside a target in the other dtype, and
+    greedy decoding still gives the target's own greedy text."""
+    draft = _drafts(fp32_target)[kind]
+    cfg = OmegaConf.create(
+        {
+            "seed": 0,
+            "decode": {
+                "k": 3, "temperatures": [0.0], "top_k": 0, "top_p": 1.0, "max_new_tokens": 12,
+                "num_prompts": 2, "warmup": 0, "dtype": "bfloat16", "draft_dtype": draft_dtype,
+            },
+        }
+    )  # fmt: skip
+    prompts = [{"input_ids": [1, 4, 40, 50, 60]}, {"input_ids": [1, 7, 9, 70, 3, 22]}]
+    result, copies = evaluate_checkpoint(fp32_target, draft, prompts, cfg, None)
+    assert result["dtypes"]["draft"]["dtype"] == draft_dtype
+    assert result["dtypes"]["draft"]["source"] == "explicit"
+    assert copies.target.dtype == BF16
+    assert result["greedy/greedy_match_rate"] == 1.0

@@ -25,6 +25,8 @@ weights into that copy in place, so no graph is compiled again.
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +36,9 @@ from decoding.compiled import STATS, CompiledTarget
 from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
 from decoding.metrics import evaluate
+from decoding.spec import generate
 from decoding.tree import TreeSpec
-from models.dtype_choice import choose_dtype, time_forward
+from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from train.step_stats import decode_samplings
@@ -89,6 +92,45 @@ def decode_copies(
     copy_ = decode_copy(target, decode_dtype)
     baseline = None if ar_dtype == decode_dtype else decode_copy(target, ar_dtype)
     return DecodeCopies(copy_, {u: c.as_record() for u, c in choices.items()}, baseline)
+
+
+def draft_dtype_choice(
+    draft: torch.nn.Module, target: Target, dec: DictConfig, tree: TreeSpec | None,
+    prompt: torch.Tensor, cache_dir: str | None,
+) -> DtypeChoice:  # fmt: skip
+    """decode.draft_dtype: as set; "auto": the dtype whose draft copy decodes a round
+    fastest beside `target` (the decoding copy), timed as seconds per verify round of one
+    prompt (the verify is the same for both, so the difference is the draft's). A small draft
+    runs one-row forwards, where bf16 can win on a CPU whose many-row bf16 forwards lose
+    (docs/portable.md). A draft that adapts the target (Medusa-2) follows the target's dtype.
+    A dtype the drafter cannot run in times as infinite."""
+    # Unset (a config written before the key existed): the target's dtype, as decoding was.
+    setting = str(dec.get("draft_dtype", str(target.dtype).removeprefix("torch.")))
+    if setting == "auto" and draft.decoding_target(target) is not target:
+        setting = str(target.dtype).removeprefix("torch.")
+    shapes = {"target": target.name, "target_dtype": str(target.dtype), "draft": draft.kind,
+              "params": sum(p.numel() for p in draft.parameters()), "k": int(dec.k),
+              "tree": repr(tree), "prompt": prompt.shape[1]}  # fmt: skip
+
+    def measure(dtype: torch.dtype) -> float:
+        copy_ = draft_decode_copy(draft, dtype)
+        drafter = make_drafter(copy_, target)
+        run = lambda: generate(target, prompt, drafter, k=int(dec.k), max_new_tokens=16,  # noqa: E731
+                               eos_token_ids=[], tree=tree)  # fmt: skip
+        try:
+            with torch.no_grad():
+                run()  # warm-up
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    rounds = len(run().round_tokens)
+                    times.append((time.perf_counter() - t0) / max(1, rounds))
+        except (RuntimeError, TypeError) as err:  # e.g. a dtype mismatch inside the drafter
+            print(f"dtype draft: {dtype} cannot decode ({str(err).splitlines()[0]})", flush=True)
+            return float("inf")
+        return statistics.median(times)
+
+    return choose_dtype("draft", setting, shapes, measure, target.device, cache_dir)
 
 
 # What the compiled path reports beside the eager keys, as <tag>/compiled_<key>.
@@ -148,20 +190,27 @@ def evaluate_checkpoint(
     tree = None  # decode=tree_static / tree_dynamic: draft trees (decoding/tree.py)
     if dec.get("tree") is not None:
         tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
+    if not eval_prompts:
+        raise ValueError(
+            "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
+        )
     if target_eval is None:
         target_eval = decode_copies(
             target, dec, tree, eval_prompts, (cfg.get("data") or {}).get("cache_dir")
         )
-    draft_eval = draft_decode_copy(draft, target_eval.target.dtype)
+        prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
+        cache_dir = (cfg.get("data") or {}).get("cache_dir")
+        choice = draft_dtype_choice(draft, target_eval.target, dec, tree, prompt, cache_dir)
+        if choice.source != "explicit":
+            print(f"dtype {choice.describe()}", flush=True)
+        target_eval.dtypes["draft"] = choice.as_record()
+    draft_dtype = resolve_dtype(target_eval.dtypes["draft"]["dtype"])
+    draft_eval = draft_decode_copy(draft, draft_dtype)
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = draft_eval.decoding_target(target_eval.target)
     drafter = make_drafter(draft_eval, decode_target)
     num = dec.get("num_prompts") or len(eval_prompts)
-    if not eval_prompts:
-        raise ValueError(
-            "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
-        )
     prompts = [
         torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in eval_prompts[:num]
     ]

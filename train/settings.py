@@ -109,6 +109,7 @@ def check_decode(dec: DictConfig) -> None:
     if not dec.warmup >= 0:
         raise ValueError(f"decode.warmup (untimed prompts) must be >= 0, got {dec.warmup}")
     check_dtype("decode.dtype", dec.dtype)
+    check_dtype("decode.draft_dtype", dec.get("draft_dtype", "auto"))
     if dec.get("compile", False) not in (True, False):
         raise ValueError(f"decode.compile must be true or false, got {dec.compile!r}")
     if dec.get("compile", False):
