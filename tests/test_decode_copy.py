@@ -162,7 +162,9 @@ def _drafts(target):
 
 @pytest.mark.parametrize("kind", ["draft_lm", "medusa", "eagle", "mtp", "dflash"])
 @pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
-def test_a_draft_in_another_dtype_than_the_target_decodes_losslessly(fp32_target, kind, draft_dtype):
+def test_a_draft_in_another_dtype_than_the_target_decodes_losslessly(
+    fp32_target, kind, draft_dtype
+):
     """decode.draft_dtype is chosen apart from decode.dtype (train/evaluate.py:
     draft_dtype_choice): every kind's drafter runs beside a target in the other dtype, and
     greedy decoding still gives the target's own greedy text."""

@@ -1,9 +1,10 @@
 """Evaluation after each checkpoint: the shared decoder on held-out prompts.
 
-Decoding runs in bf16 on CPU (fp32 small-row linears are 15-60x slower here, see
-design.md §5), so the loop hands over bf16 copies of the frozen target (made once and
-reused: it never changes) and of the current draft. The copies keep their rotary
-frequencies in float32 (models.dtypes.cast_keep_rotary): a bare `.to(bfloat16)` rounds
+Decoding runs in the dtypes `decode.dtype` and `decode.draft_dtype` name, or with "auto"
+the ones measured fastest on this machine (a CPU with native bf16 and one with AVX2 only
+disagree: docs/portable.md), so the loop hands over copies of the frozen target (made
+once and reused: it never changes) and of the current draft in those dtypes. The copies
+keep their rotary frequencies in float32 (models.dtypes.cast_keep_rotary): a bare `.to(bfloat16)` rounds
 inv_freq and decodes a different target than the one trained on. For every configured
 temperature `decoding.metrics.evaluate` measures tau, per-position acceptance and speedup
 against AR on the same prompts in the same call; next to it we log the training proxy's
