@@ -38,6 +38,9 @@ from models.target import Target
 from models.tiny_tokenizer import build_char_tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+# The hub model the shipped GGUF quantises; what an engine serving this target loads.
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path(os.environ.get("DRAFTLAB_CACHE", Path.home() / ".cache" / "draftlab"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -156,7 +159,7 @@ def load_smollm2(
 ) -> Target:
     path = convert_smollm2(Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR)
     target = load_hf_target(str(path), dtype=dtype, device=device)
-    target.name = "smollm2-135m-instruct"
+    target.name = SMOLLM2_NAME
     return target
 
 

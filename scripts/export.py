@@ -4,11 +4,13 @@
     python scripts/export.py CKPT --format medusa --out out/medusa           # FasterDecoding/Medusa
     python scripts/export.py CKPT --format vllm-medusa --out out/vllm_medusa # vLLM's Medusa
     python scripts/export.py CKPT --format hf --out out/medusa2_target       # Medusa-2: merged target
-    python scripts/export.py CKPT --format speculators --out out/eagle3      # EAGLE-3 for vLLM
+    python scripts/export.py CKPT --format speculators --out out/eagle3      # EAGLE-3: vLLM, speculators
     python scripts/export.py CKPT --format eagle --out out/eagle3            # EAGLE-3: SGLang/SpecForge; EAGLE-1: vLLM
 
 CKPT is a `<run_dir>/checkpoints/step_N` directory; its config.yaml (for an older checkpoint,
-the run's) names the target.
+the run's) names the target. `--format speculators` also writes the served target's id
+(`--verifier`, default: the target's hub id where the config names one) and the draft length
+per round (`--speculative-tokens`, default: the run's decode.k).
 Formats, what each engine needs and what is refused: docs/export.md.
 """
 
@@ -18,7 +20,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.formats.export import FORMATS, ExportError, export, load_run_draft
+from train.formats.eagle import hub_id
+from train.formats.export import (
+    FORMATS,
+    ExportError,
+    check_served_settings,
+    checkpoint_config,
+    export,
+    load_run_draft,
+)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -32,13 +42,37 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     parser.add_argument("--device", default="cpu", help="where to load the target (default cpu)")
+    parser.add_argument(
+        "--verifier",
+        metavar="ID",
+        help="speculators: the hub id or path the engine loads the target from (default: the "
+        "target's hub id where known, e.g. HuggingFaceTB/SmolLM2-135M-Instruct for the embedded one)",
+    )
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        metavar="K",
+        help="speculators: draft tokens per round the engine proposes (default: the run's decode.k)",
+    )
     args = parser.parse_args(argv)
-    draft, target = load_run_draft(args.checkpoint, device=args.device)
+    verifier, k = args.verifier, args.speculative_tokens
     try:
-        out = export(draft, target, args.format, args.out, overwrite=args.overwrite)
+        if args.format == "speculators":  # defaults from the run's config, checked before loading
+            cfg = checkpoint_config(args.checkpoint)
+            verifier = verifier or hub_id(cfg.get("target") or {})
+            k = k if k is not None else (cfg.get("decode") or {}).get("k")
+        check_served_settings(args.format, verifier, k)
     except ExportError as err:
         sys.exit(f"export refused, nothing written: {err}")
-    print(f"{args.format} export of {args.checkpoint} -> {out}")
+    draft, target = load_run_draft(args.checkpoint, device=args.device)
+    try:
+        out = export(draft, target, args.format, args.out, args.overwrite, verifier, k)
+    except ExportError as err:
+        sys.exit(f"export refused, nothing written: {err}")
+    served = (
+        f" (verifier {verifier}, {k} speculative tokens)" if args.format == "speculators" else ""
+    )
+    print(f"{args.format} export of {args.checkpoint} -> {out}{served}")
     return out
 
 

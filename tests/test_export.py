@@ -162,9 +162,12 @@ def test_refusals_write_nothing(target, tmp_path):
     eagle_draft = eagle.from_target(target, vocab_size="full", ttt_steps=1)
     with pytest.raises(ExportError, match="holds a EagleDraft"):
         export(eagle_draft, target, "hf", out)
-    for fmt in ("eagle", "speculators"):  # the 2-layer target's taps (2, 1, 1) are not servable
-        with pytest.raises(ExportError, match="3 distinct taps"):
-            export(eagle_draft, target, fmt, out)
+    for fmt, served in (
+        ("eagle", {}),
+        ("speculators", {"verifier": "org/x", "speculative_tokens": 4}),
+    ):
+        with pytest.raises(ExportError, match="3 distinct taps"):  # the 2-layer target's (2, 1, 1)
+            export(eagle_draft, target, fmt, out, **served)
     nan_heads = _random_heads(target)
     with torch.no_grad():
         nan_heads.blocks[1][0].linear.weight[0, 0] = float("nan")

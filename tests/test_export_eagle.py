@@ -2,8 +2,9 @@
 format's key set and config fields are the anchors' own (vLLM `llama_eagle3.py` /
 `llama_eagle.py` / `configs/speculators/`, SGLang `llama_eagle3.py`, speculators
 `Eagle3SpeculatorConfig`, SpecForge `LlamaForCausalLMEagle3`), the tap ids follow each
-engine's convention, export -> read_eagle_export -> a fresh draft gives identical logits, and
-every refusal writes nothing."""
+engine's convention and order (ascending, fc blocks permuted to match), export ->
+read_eagle_export -> a fresh draft gives identical logits, and every refusal writes nothing.
+The real speculators library reading these exports: tests/test_speculators_library.py."""
 
 import json
 
@@ -14,9 +15,11 @@ from safetensors.torch import load_file, save_file
 from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from models import eagle
-from models.target_loaders import build_tiny_random
+from models.target_loaders import SMOLLM2_HUB_ID, SMOLLM2_NAME, build_tiny_random
+from train.formats.eagle import hub_id, target_names
 from train.formats.eagle_read import read_eagle_export
 from train.formats.export import ExportError, export
+from train.formats.init_from import init_draft_from
 
 torch.set_num_threads(1)
 
@@ -68,6 +71,12 @@ def _draft(target, style="eagle3", vocab_size=32, train_head=False, layers=None,
     return draft.eval()
 
 
+def _export(draft, target, fmt, out):
+    """speculators also names the served target and the draft length per round."""
+    served = {"verifier": target.name, "speculative_tokens": 4} if fmt == "speculators" else {}
+    return export(draft, target, fmt, out, **served)
+
+
 def _nothing_written(out):
     assert not out.exists()
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp")]
@@ -76,11 +85,13 @@ def _nothing_written(out):
 # -- the anchors' required sets -----------------------------------------------------------------
 def test_speculators_layout(target, tmp_path):
     draft = _draft(target)
-    export(draft, target, "speculators", tmp_path / "s")
+    _export(draft, target, "speculators", tmp_path / "s")
     weights = load_file(tmp_path / "s" / "model.safetensors")
-    assert set(weights) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
-        f"layers.0.{k}" for k in EAGLE3_LAYER
-    }
+    assert set(weights) == {
+        "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"
+    } | {f"layers.0.{k}" for k in EAGLE3_LAYER}  # fmt: skip
+    # The speculators library has no embedding of its own: the target's is written.
+    assert torch.equal(weights["embed_tokens.weight"], target.embed_tokens.weight)
     H = target.hidden_size
     assert weights["fc.weight"].shape == (H, 3 * H)
     assert weights["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * H  # [embedding, feature]
@@ -97,8 +108,9 @@ def test_speculators_layout(target, tmp_path):
     spec = config["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
     assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
-    assert spec["proposal_methods"][0]["speculative_tokens"] == 3
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 4  # as given, not ttt_steps (3)
     assert set(spec["verifier"]) == {"name_or_path", "architectures"}
+    assert spec["verifier"]["name_or_path"] == target.name  # as given, not a path of this machine
     assert spec["verifier"]["architectures"] == ["LlamaForCausalLM"]
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
@@ -112,7 +124,7 @@ def test_speculators_layout(target, tmp_path):
 
 
 def test_eagle3_layout(target, tmp_path):
-    export(_draft(target), target, "eagle", tmp_path / "e")
+    _export(_draft(target), target, "eagle", tmp_path / "e")
     weights = load_file(tmp_path / "e" / "model.safetensors")
     assert set(weights) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
         f"midlayer.{k}" for k in EAGLE3_LAYER
@@ -126,7 +138,7 @@ def test_eagle3_layout(target, tmp_path):
 
 
 def test_eagle1_layout(target, tmp_path):
-    export(_draft(target, "eagle1", vocab_size="full"), target, "eagle", tmp_path / "e1")
+    _export(_draft(target, "eagle1", vocab_size="full"), target, "eagle", tmp_path / "e1")
     weights = load_file(tmp_path / "e1" / "model.safetensors")
     assert set(weights) == {"fc.weight"} | {f"layers.0.{k}" for k in EAGLE1_LAYER}
     H = target.hidden_size
@@ -139,8 +151,8 @@ def test_eagle1_layout(target, tmp_path):
 
 def test_non_default_taps_in_each_engines_convention(target, tmp_path):
     draft = _draft(target, layers=[1, 3, 6])
-    export(draft, target, "speculators", tmp_path / "s")
-    export(draft, target, "eagle", tmp_path / "e")
+    _export(draft, target, "speculators", tmp_path / "s")
+    _export(draft, target, "eagle", tmp_path / "e")
     spec = json.loads((tmp_path / "s" / "config.json").read_text())
     assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # vLLM: hidden_states indices
     config = json.loads((tmp_path / "e" / "config.json").read_text())
@@ -152,6 +164,103 @@ def test_non_default_taps_in_each_engines_convention(target, tmp_path):
     del config["eagle_aux_hidden_state_layer_ids"]
     (tmp_path / "e" / "config.json").write_text(json.dumps(config))
     assert read_eagle_export(tmp_path / "e", target)[1]["layers"] == [1, 3, 6]
+
+
+def test_unsorted_taps_are_served_ascending_with_fc_permuted(target, tmp_path):
+    """Engines concatenate the taps in ascending layer order whatever the config lists, so a
+    head trained on layers [6, 1, 3] is written as taps [1, 3, 6] with fc's column blocks
+    (tap scale folded) permuted to match."""
+    draft = _draft(target, layers=[6, 1, 3])
+    _export(draft, target, "speculators", tmp_path / "s")
+    _export(draft, target, "eagle", tmp_path / "e")
+    spec = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
+    config = json.loads((tmp_path / "e" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
+    H = target.hidden_size
+    folded = (draft.fc.weight * draft.tap_scale.repeat_interleave(H)).detach()
+    blocks = folded.view(H, 3, H)  # in draft order: taps 6, 1, 3
+    for d, key in (("s", "fc.weight"), ("e", "fc.weight")):
+        served = load_file(tmp_path / d / "model.safetensors")[key].view(H, 3, H)
+        for j, i in enumerate([1, 2, 0]):  # served block j reads tap [1, 3, 6][j]
+            assert torch.equal(served[:, j], blocks[:, i])
+    # Read back: the taps ascending; a draft built on them computes the same head.
+    ids = torch.randint(6, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = target(ids, hidden_layers=(1, 3, 6))
+    with torch.no_grad():
+        want = draft(target, ids, out).logits
+    for d in ("s", "e"):
+        state, settings = read_eagle_export(tmp_path / d, target)
+        assert settings["layers"] == [1, 3, 6]
+        fresh = eagle.from_target(target, None, layers=[1, 3, 6], ttt_steps=3, vocab_size=32)
+        fresh.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            for a, b in zip(want, fresh.eval()(target, ids, out).logits):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)  # sums in another order
+        # draft.init_from into the config's own order [6, 1, 3]: blocks permuted back, exact.
+        same = eagle.from_target(target, None, layers=[6, 1, 3], ttt_steps=3, vocab_size=32)
+        init_draft_from(tmp_path / d, same, target)
+        with torch.no_grad():
+            for a, b in zip(want, same.eval()(target, ids, out).logits):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_reader_refuses_taps_listed_out_of_order(target, tmp_path):
+    """An export listing [6, 1, 3] is ambiguous (engines read its fc ascending; one written
+    before the taps were sorted holds them in the listed order): refused, not guessed."""
+    _export(_draft(target, layers=[1, 3, 6]), target, "speculators", tmp_path / "s")
+    config_path = tmp_path / "s" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [6, 1, 3]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"taps \[6, 1, 3\] out of ascending order.*re-export"):
+        read_eagle_export(tmp_path / "s", target)
+
+
+def test_served_target_id_and_settings(target, tmp_path):
+    """The verifier is the served target's hub id where the run's config names one (never this
+    machine's path), else the caller must give one; the draft length is given, not ttt_steps."""
+    assert hub_id({"_target_": "models.target_loaders.load_smollm2"}) == SMOLLM2_HUB_ID
+    hf = "models.target_loaders.load_hf_target"
+    assert hub_id({"_target_": hf, "path": "Qwen/Qwen3-0.6B"}) == "Qwen/Qwen3-0.6B"
+    assert hub_id({"_target_": hf, "path": str(tmp_path)}) is None  # a local directory
+    assert hub_id({"_target_": hf, "path": "./models/x"}) is None
+    assert hub_id({"_target_": "models.target_loaders.build_tiny_random", "seed": 0}) is None
+    draft, out = _draft(target), tmp_path / "out"
+    with pytest.raises(ExportError, match="pass --verifier ID"):
+        export(draft, target, "speculators", out, speculative_tokens=4)
+    with pytest.raises(ExportError, match="pass --speculative-tokens K"):
+        export(draft, target, "speculators", out, verifier="org/x", speculative_tokens=0)
+    with pytest.raises(ExportError, match="--verifier: only --format speculators"):
+        export(draft, target, "eagle", out, verifier="org/x")
+    _nothing_written(out)
+    # An export naming the hub id loads back into the embedded target (a local conversion
+    # named smollm2-135m-instruct); another id does not.
+    export(draft, target, "speculators", tmp_path / "h", verifier=SMOLLM2_HUB_ID,
+           speculative_tokens=4)  # fmt: skip
+    with pytest.raises(ValueError, match="verifier 'HuggingFaceTB/SmolLM2-135M-Instruct'"):
+        read_eagle_export(tmp_path / "h", target)
+    name = target.name
+    try:
+        target.name = SMOLLM2_NAME
+        assert SMOLLM2_HUB_ID.split("/")[1].lower() in target_names(target)
+        assert read_eagle_export(tmp_path / "h", target)[1]["layers"] == [2, 4, 5]
+    finally:
+        target.name = name
+
+
+def test_reader_refuses_another_embedding(target, tmp_path):
+    _export(_draft(target), target, "speculators", tmp_path / "s")
+    weights_path = tmp_path / "s" / "model.safetensors"
+    weights = load_file(weights_path)
+    weights["embed_tokens.weight"][3] += 0.5  # e.g. trained with embed_requires_grad
+    save_file(weights, weights_path)
+    with pytest.raises(ValueError, match="not the target .* embedding"):
+        read_eagle_export(tmp_path / "s", target)
+    del weights["embed_tokens.weight"]  # another trainer's export without one: the target's
+    save_file(weights, weights_path)
+    assert read_eagle_export(tmp_path / "s", target)[1]["style"] == "eagle3"
 
 
 # -- round trip ---------------------------------------------------------------------------------
@@ -169,7 +278,7 @@ def test_export_read_back_gives_identical_logits(
     target, tmp_path, style, fmt, vocab_size, train_head
 ):
     draft = _draft(target, style, vocab_size, train_head)
-    export(draft, target, fmt, tmp_path / "x")
+    _export(draft, target, fmt, tmp_path / "x")
     state, settings = read_eagle_export(tmp_path / "x", target)
     assert set(state) == set(draft.state_dict())
     assert settings["style"] == style and settings["train_head"] == train_head
@@ -204,27 +313,27 @@ def test_export_refusals_write_nothing(target, tmp_path):
     out = tmp_path / "out"
     other = build_tiny_random(seed=1, num_layers=8, vocab_size=120, device="cpu")
     with pytest.raises(ExportError, match="must be the same"):  # vocabulary mismatch
-        export(_draft(target), other, "speculators", out)
+        _export(_draft(target), other, "speculators", out)
     no_map = eagle.from_target(target, None, ttt_steps=3, vocab_size=32)  # no token_counts
     with pytest.raises(ExportError, match="d2t/t2d"):
-        export(no_map, target, "speculators", out)
+        _export(no_map, target, "speculators", out)
     nan = _draft(target)
     with torch.no_grad():
         nan.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
     with pytest.raises(ExportError, match="NaN"):
-        export(nan, target, "eagle", out)
+        _export(nan, target, "eagle", out)
     with pytest.raises(ExportError, match="3 distinct taps"):  # -1 is after the final norm
-        export(_draft(target, layers=[2, 4, -1]), target, "speculators", out)
+        _export(_draft(target, layers=[2, 4, -1]), target, "speculators", out)
     eagle1 = _draft(target, "eagle1", vocab_size="full")
     with pytest.raises(ExportError, match="no EAGLE-1 format"):
-        export(eagle1, target, "speculators", out)
+        _export(eagle1, target, "speculators", out)
     with pytest.raises(ExportError, match="full vocabulary"):
-        export(_draft(target, "eagle1", vocab_size=32), target, "eagle", out)
+        _export(_draft(target, "eagle1", vocab_size=32), target, "eagle", out)
     _nothing_written(out)
 
 
 def test_reader_refuses_a_wrong_target_or_keys(target, tmp_path):
-    export(_draft(target), target, "speculators", tmp_path / "s")
+    _export(_draft(target), target, "speculators", tmp_path / "s")
     narrow = build_tiny_random(seed=0, num_layers=8, hidden_size=32, device="cpu")
     with pytest.raises(ValueError, match="64-wide target features"):
         read_eagle_export(tmp_path / "s", narrow)

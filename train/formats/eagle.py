@@ -7,30 +7,45 @@ files (vLLM `models/llama_eagle3.py`, `models/llama_eagle.py`,
 `transformers_utils/configs/speculators/`; SGLang `models/llama_eagle3.py`; speculators
 `models/eagle3/`; SpecForge `modeling/draft/llama3_eagle.py`):
 
-  speculators  EAGLE-3 as vLLM loads a speculators checkpoint (EAGLE-1 was dropped from
-               speculators and vLLM's speculators reader registers no `eagle` type: refused).
+  speculators  EAGLE-3 as vLLM and the speculators library load a speculators checkpoint
+               (EAGLE-1 was dropped from speculators and vLLM's speculators reader registers
+               no `eagle` type: refused).
       config.json  `speculators_model_type: eagle3`, `architectures: [Eagle3Speculator]`,
                    `speculators_config` {algorithm, proposal_methods [{proposal_type: greedy,
-                   speculative_tokens = ttt_steps}], default_proposal_method, verifier
-                   {name_or_path, architectures}}, `transformer_layer_config` (a Llama config
-                   of the one layer, vocab_size = the target's), `draft_vocab_size`,
+                   speculative_tokens = the draft length served per round}],
+                   default_proposal_method, verifier {name_or_path = the served target's hub
+                   id, architectures}}, `transformer_layer_config` (a Llama config of the one
+                   layer, vocab_size = the target's), `draft_vocab_size`,
                    `target_hidden_size`, `norm_before_residual: false` (always written: vLLM's
                    reader defaults a missing one to TRUE), `norm_before_fc`/`fc_norm`/
                    `norm_output: false`, `eagle_aux_hidden_state_layer_ids` (non-default taps).
       model.safetensors  `fc.weight`, `layers.0.{input_layernorm, hidden_norm,
                    self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}
-                   .weight`, `norm.weight`, `lm_head.weight`, `d2t`/`t2d` (reduced vocabulary).
+                   .weight`, `norm.weight`, `lm_head.weight`, `embed_tokens.weight` (the
+                   target's embedding as the head reads it: the speculators library fills a
+                   missing one only where it finds NaN, so without it the head runs on another
+                   embedding), `d2t`/`t2d` (reduced vocabulary).
   eagle        EAGLE-3 in the EAGLE repository / SGLang / SpecForge layout: the same weights
-               with `midlayer.` for `layers.0.` (SGLang's module is `midlayer`; vLLM renames it),
-               a flat Llama config with `architectures: [LlamaForCausalLMEagle3]`,
+               with `midlayer.` for `layers.0.` (SGLang's module is `midlayer`; vLLM renames it)
+               and no embedding (SGLang, vLLM, SpecForge and the EAGLE repository take the
+               target's), a flat Llama config with `architectures: [LlamaForCausalLMEagle3]`,
                `draft_vocab_size`, `target_hidden_size` and `tie_word_embeddings: false`
                (SGLang would otherwise use the embedding as lm_head).
                EAGLE-1 as vLLM's `llama_eagle.py`: `fc.weight` [H, 2H] over [embedding,
                feature], `layers.0.*` without input_layernorm, no head (the target's is used),
                `architectures: [LlamaForCausalLM]` (vLLM maps it to EagleLlamaForCausalLM).
-No embedding is written: every engine uses the target's. A frozen head (`train_head=false`)
-is written as the target's lm_head rows at the draft ids. EAGLE-3's `fc.weight` is served
-with the tap scale folded in (fc.weight[:, block i] * tap_scale[i], exact: powers of two).
+A frozen head (`train_head=false`) is written as the target's lm_head rows at the draft ids.
+EAGLE-3's `fc.weight` is served with the tap scale folded in (fc.weight[:, block i] *
+tap_scale[i], exact: powers of two).
+
+Tap order. Engines capture the taps while walking the target's layers (vLLM: `if idx in
+aux_hidden_state_layers`, SGLang: `if i in layers_to_capture`) and concatenate them in that
+order, so fc's column blocks are read in ASCENDING layer order whatever order the config
+lists. draftlab's fc reads the taps in `draft.model.layers` order; the export permutes its
+column blocks (after folding the tap scale) into ascending order and writes the ids sorted,
+which is exact (a permutation of columns). The reader refuses a config listing them unsorted
+(an older export might hold its blocks in the listed order) and
+`train.formats.eagle_read.in_tap_order` permutes them back into a draft's own order.
 
 Tap ids. draftlab's `layers` index HF's hidden_states: i = the residual stream entering
 decoder layer i. vLLM's `eagle_aux_hidden_state_layer_ids` use the same numbers (it captures
@@ -44,13 +59,14 @@ taps: exactly 3, distinct, in 1..L-1 (0 is the bare embedding, which vLLM forms 
 captured).
 
 `train.formats.eagle_read.read_eagle_export(path, target)` reads either layout back into
-EagleDraft's state_dict keys (tap_scale = 1: the served fc already holds it) plus the settings
-to build the draft.
+EagleDraft's state_dict keys (tap_scale = 1: the served fc already holds it; taps ascending)
+plus the settings to build the draft.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -61,9 +77,11 @@ from models import vocab
 from models.eagle import EagleDraft
 from models.eagle_init import default_eagle3_layers
 from models.target import Target
+from models.target_loaders import SMOLLM2_HUB_ID, SMOLLM2_NAME
 from train.formats.checks import ExportError, check_finite, check_keys, check_vocab, read_back
 
 WEIGHTS = "model.safetensors"
+EMBEDDING = "embed_tokens.weight"  # written in speculators only
 SPECULATORS_ARCH = "Eagle3Speculator"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"  # SGLang's / SpecForge's class; vLLM's registry maps it
 EAGLE1_ARCH = "LlamaForCausalLM"  # the EAGLE repository's EAGLE-1 configs; vLLM prefixes Eagle
@@ -115,13 +133,39 @@ def layer_keys(style: str, prefix: str = "layers.0.") -> set[str]:
     return keys
 
 
-def served_keys(style: str, reduced_vocab: bool, prefix: str = "layers.0.") -> set[str]:
-    """Weight keys of an export: speculators (prefix `layers.0.`) or eagle (`midlayer.` for
-    EAGLE-3; EAGLE-1 keeps `layers.0.`)."""
+def served_keys(
+    style: str, reduced_vocab: bool, prefix: str = "layers.0.", embedding: bool = False
+) -> set[str]:
+    """Weight keys of an export: speculators (prefix `layers.0.`, with the embedding) or eagle
+    (`midlayer.` for EAGLE-3; EAGLE-1 keeps `layers.0.`; no embedding)."""
     keys = {"fc.weight"} | layer_keys(style, prefix)
     if style == "eagle3":
         keys |= {"norm.weight", "lm_head.weight"} | ({"d2t", "t2d"} if reduced_vocab else set())
-    return keys
+    return keys | ({EMBEDDING} if embedding else set())
+
+
+# -- the served target -------------------------------------------------------------------------
+def hub_id(target_cfg: Mapping) -> str | None:
+    """The hub id an engine loads the target as, from a run's `target` config (its loader and
+    arguments): the embedded SmolLM2's, or `path` when it names a hub id rather than a local
+    directory; None when unknown (a local directory, a test model)."""
+    loader = str(target_cfg.get("_target_", "")).rsplit(".", 1)[-1]
+    if loader == "load_smollm2":
+        return SMOLLM2_HUB_ID
+    path = str(target_cfg.get("path") or "")
+    local = path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
+    if loader == "load_hf_target" and path and path.count("/") <= 1 and not local:
+        return path
+    return None
+
+
+def target_names(target: Target) -> set[str]:
+    """The names a verifier of `target` may be written under (compared case-insensitively by
+    their last path component): its hub id where known, its name and HF's _name_or_path."""
+    names = {target.name, str(getattr(target.config, "_name_or_path", "") or "")}
+    if target.name == SMOLLM2_NAME:
+        names.add(SMOLLM2_HUB_ID)
+    return {Path(n).name.lower() for n in names if n}
 
 
 # -- checks before writing ---------------------------------------------------------------------
@@ -171,11 +215,24 @@ def check_servable(draft: EagleDraft, target: Target, fmt: str) -> None:
             ) from err
 
 
+def tap_order(taps: tuple[int, ...] | list[int]) -> list[int]:
+    """Positions of `taps` in ascending layer order: the order engines concatenate them in
+    (module docstring), so fc's blocks are written (and read back) in this order."""
+    return sorted(range(len(taps)), key=lambda i: taps[i])
+
+
 def tap_ids(draft: EagleDraft, target: Target) -> list[int] | None:
-    """vLLM's `eagle_aux_hidden_state_layer_ids` (= hidden_states indices), None for the
-    engines' default taps."""
-    taps = list(draft.hidden_layers)
+    """vLLM's `eagle_aux_hidden_state_layer_ids` (= hidden_states indices), ascending; None for
+    the engines' default taps."""
+    taps = sorted(draft.hidden_layers)
     return None if taps == list(default_eagle3_layers(target.num_layers)) else taps
+
+
+def embedding_table(target: Target) -> Tensor:
+    """[V, H] the embedding the head reads: the target's embedding module applied to every id
+    (Gemma's module scales its table, so the bare weight would not be it)."""
+    ids = torch.arange(target.vocab_size, device=target.embed_tokens.weight.device)
+    return target.embed_tokens(ids).detach()
 
 
 def served_state(draft: EagleDraft, target: Target) -> dict[str, Tensor]:
@@ -190,6 +247,8 @@ def served_state(draft: EagleDraft, target: Target) -> dict[str, Tensor]:
         H = fc.shape[0]
         scale = draft.tap_scale.float().cpu().repeat_interleave(H)  # [n*H]
         fc = fc * scale[None, :]  # fold: the served fc reads the raw taps
+        order = tap_order(draft.hidden_layers)  # engines concatenate the taps ascending
+        fc = fc.view(H, len(order), H)[:, order].reshape(H, len(order) * H)
         head = draft.head_weight(target).detach()  # [V_draft, H]
         state["lm_head.weight"] = head
         if draft.reduced_vocab:
@@ -233,19 +292,31 @@ def llama_config(draft: EagleDraft, target: Target) -> dict:
     }
 
 
-def verifier(target: Target) -> dict:
+def verifier(target: Target, name: str) -> dict:
+    """speculators' verifier entry: `name` (the served target's id) and the target's classes."""
     return {
-        "name_or_path": getattr(target.config, "_name_or_path", "") or target.name,
+        "name_or_path": name,
         "architectures": list(target.config.architectures or [type(target.model).__name__]),
     }
 
 
 # -- writers -----------------------------------------------------------------------------------
-def export_speculators(draft: EagleDraft, target: Target, out: Path, final: Path) -> None:
+def export_speculators(
+    draft: EagleDraft,
+    target: Target,
+    out: Path,
+    final: Path,
+    verifier_id: str,
+    speculative_tokens: int,
+) -> None:
     """EAGLE-3 in the speculators format into `out` (the temporary directory of
-    `train.formats.export.export`, renamed to `final` after these checks pass)."""
+    `train.formats.export.export`, renamed to `final` after these checks pass).
+    `verifier_id`: the id the engine serves the target as; `speculative_tokens`: the draft
+    length it proposes per round (vLLM's default num_speculative_tokens)."""
     check_servable(draft, target, "speculators")
     state = served_state(draft, target)
+    state[EMBEDDING] = embedding_table(target).to("cpu", torch.float32, copy=True)
+    check_finite({EMBEDDING: state[EMBEDDING]}, "the target's embedding")
     config = {
         "architectures": [SPECULATORS_ARCH],
         "speculators_model_type": "eagle3",
@@ -254,13 +325,13 @@ def export_speculators(draft: EagleDraft, target: Target, out: Path, final: Path
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": draft.ttt_steps,
+                    "speculative_tokens": speculative_tokens,
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
             ],
             "default_proposal_method": "greedy",
-            "verifier": verifier(target),
+            "verifier": verifier(target, verifier_id),
         },
         "transformer_layer_config": llama_config(draft, target),
         "draft_vocab_size": draft.draft_vocab_size,
@@ -280,7 +351,7 @@ def export_speculators(draft: EagleDraft, target: Target, out: Path, final: Path
     missing = [f for f in SPECULATORS_SUB_FIELDS if f not in written["speculators_config"]]
     if missing or written["norm_before_residual"] is not False:
         raise ExportError(f"written speculators_config lacks {missing} (an exporter bug)")
-    check_keys(got, served_keys("eagle3", draft.reduced_vocab), WEIGHTS)
+    check_keys(got, served_keys("eagle3", draft.reduced_vocab, embedding=True), WEIGHTS)
 
 
 def export_eagle(draft: EagleDraft, target: Target, out: Path, final: Path) -> None:

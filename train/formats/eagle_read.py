@@ -2,7 +2,8 @@
 describes both) back into `models.eagle.EagleDraft`'s state_dict keys, with the settings to
 build that draft: `read_eagle_export(path, target)`, what `draft.init_from=DIR`
 (train/formats/init_from.py) calls for those formats. The served fc already holds the tap
-scale, so the state read back has tap_scale = 1.
+scale, so the state read back has tap_scale = 1; its blocks are in ascending tap order (the
+engines'), and `in_tap_order` permutes them into a draft's own order of the same taps.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from models.eagle_init import default_eagle3_layers
 from models.target import Target
-from train.formats.eagle import WEIGHTS, served_keys, verifier
+from train.formats.eagle import EMBEDDING, WEIGHTS, embedding_table, served_keys, target_names
 
 
 def read_eagle_export(path: Path, target: Target) -> tuple[dict[str, Tensor], dict]:
@@ -56,6 +57,8 @@ def read_eagle_export(path: Path, target: Target) -> tuple[dict[str, Tensor], di
     taps = _tap_layers(config, style, L, what)
     draft_vocab = int(config.get("draft_vocab_size") or target.vocab_size)
     reduced = draft_vocab < target.vocab_size
+    if EMBEDDING in weights:  # ours in speculators; other trainers' in either layout
+        _check_embedding(weights.pop(EMBEDDING), target, what)  # the head reads the target's
     expected = served_keys(style, reduced, prefix)
     unknown, missing = sorted(set(weights) - expected), sorted(expected - set(weights))
     if unknown or missing:
@@ -114,15 +117,44 @@ def _speculators_settings(config: dict, target: Target, what: str) -> tuple[str,
     return "eagle3", config.get("transformer_layer_config") or {}
 
 
+def in_tap_order(
+    state: dict[str, Tensor], settings: dict, layers: tuple[int, ...] | list[int]
+) -> tuple[dict[str, Tensor], dict]:
+    """The state read back (fc blocks and tap_scale in ascending tap order) in the order of
+    `layers` (a draft's own `hidden_layers`) when those are the same distinct taps in another
+    order; otherwise unchanged (a different set is the caller's refusal to make)."""
+    taps, layers = list(settings.get("layers") or []), list(layers)
+    if taps == layers or sorted(layers) != taps or len(set(taps)) != len(taps):
+        return state, settings
+    blocks = [taps.index(layer) for layer in layers]  # the draft's tap i is served block j
+    fc = state["fc.weight"]
+    H = fc.shape[0]
+    state = dict(state)
+    state["fc.weight"] = fc.view(H, len(taps), H)[:, blocks].reshape(H, len(taps) * H)
+    if "tap_scale" in state:
+        state["tap_scale"] = state["tap_scale"][blocks]
+    return state, settings | {"layers": layers}
+
+
+def _check_embedding(weight: Tensor, target: Target, what: str) -> None:
+    table = embedding_table(target)
+    if weight.shape != table.shape or not torch.equal(weight.to(table.dtype), table.cpu()):
+        raise ValueError(
+            f"{what} holds an {EMBEDDING} {tuple(weight.shape)} that is not the target "
+            f"{target.name!r}'s embedding; draftlab's EAGLE head reads the target's own, so this "
+            "head (trained on another embedding, or for another target) cannot be imported"
+        )
+
+
 def _check_verifier(config: dict, target: Target, what: str) -> None:
-    want = verifier(target)
     got = config.get("speculators_config", {}).get("verifier", {})
-    same_path = Path(str(got.get("name_or_path", ""))).name == Path(want["name_or_path"]).name
-    if not same_path or list(got.get("architectures") or []) != want["architectures"]:
+    name = Path(str(got.get("name_or_path", ""))).name.lower()
+    archs = list(target.config.architectures or [type(target.model).__name__])
+    if name not in target_names(target) or list(got.get("architectures") or []) != archs:
         raise ValueError(
             f"{what} was trained for verifier {got.get('name_or_path')!r} "
-            f"({got.get('architectures')}), not the target {want['name_or_path']!r} "
-            f"({want['architectures']}); load it with the target it was trained for"
+            f"({got.get('architectures')}), not the target {target.name!r} ({archs}); load it "
+            "with the target it was trained for"
         )
 
 
@@ -167,8 +199,16 @@ def _tap_layers(config: dict, style: str, num_layers: int, what: str) -> list[in
             f"eagle_config's {nested} (SGLang: layer outputs, +1) name different taps"
         )
     taps = list(vllm or sglang or default_eagle3_layers(num_layers))
-    if len(taps) != 3 or not all(1 <= i <= num_layers - 1 for i in taps):
+    if len(set(taps)) != 3 or not all(1 <= i <= num_layers - 1 for i in taps):
         raise ValueError(
-            f"{what}: taps {taps} are not 3 hidden_states indices in 1..{num_layers - 1} of the target"
+            f"{what}: taps {taps} are not 3 distinct hidden_states indices in "
+            f"1..{num_layers - 1} of the target"
+        )
+    if taps != sorted(taps):
+        raise ValueError(
+            f"{what} lists its taps {taps} out of ascending order: engines concatenate them "
+            f"ascending ({sorted(taps)}), but an export written before they were sorted holds "
+            "its fc blocks in the listed order, so which one this is cannot be told; "
+            "re-export it from its checkpoint"
         )
     return [int(i) for i in taps]

@@ -25,7 +25,9 @@ Both Medusa formats hold one output layer per head: with `head_init=shared` it i
 target's own lm_head, written once per head (neither engine shares one head across heads in
 every version). A Medusa-2 checkpoint also gets `merged_target/` (an `hf` directory of the
 adapted target) and `base_model_name_or_path` points there: its heads read the adapted model.
-  speculators  an EAGLE-3 head as vLLM loads it (`speculators_model_type: eagle3`).
+  speculators  an EAGLE-3 head as vLLM and the speculators library load it
+               (`speculators_model_type: eagle3`), naming the served target (`verifier`) and
+               the draft length per round (`speculative_tokens`).
   eagle        an EAGLE-3 head in the EAGLE / SGLang / SpecForge layout (`midlayer.*`,
                `LlamaForCausalLMEagle3`), or an EAGLE-1 head as vLLM's `llama_eagle.py`.
 Refused, nothing written: `mtp` (no engine serves MTP heads for a Llama target), DFlash /
@@ -253,20 +255,56 @@ def refuse(fmt: str, draft: nn.Module) -> None:
         )
 
 
+def check_served_settings(fmt: str, verifier: str | None, speculative_tokens: int | None) -> None:
+    """speculators needs both (see `export`); the other formats write neither."""
+    if fmt != "speculators":
+        given = [n for n, v in (("--verifier", verifier), ("--speculative-tokens",
+                                                             speculative_tokens)) if v is not None]  # fmt: skip
+        if given:
+            raise ExportError(f"{' and '.join(given)}: only --format speculators writes them")
+        return
+    if not verifier or not verifier.strip():
+        raise ExportError(
+            "--format speculators names the served target (verifier.name_or_path) and the "
+            "target's hub id is not known here: pass --verifier ID, the hub id or path the "
+            "engine loads the target from (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)"
+        )
+    k = speculative_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ExportError(
+            f"--format speculators writes the draft length per round (speculative_tokens, "
+            f"vLLM's default num_speculative_tokens); got {speculative_tokens!r}: pass "
+            "--speculative-tokens K >= 1 (scripts/export.py defaults it to the run's decode.k)"
+        )
+
+
 # -- the entry point ---------------------------------------------------------------------------
 def export(
-    draft: nn.Module, target: Target, fmt: str, out: str | Path, overwrite: bool = False
+    draft: nn.Module,
+    target: Target,
+    fmt: str,
+    out: str | Path,
+    overwrite: bool = False,
+    verifier: str | None = None,
+    speculative_tokens: int | None = None,
 ) -> Path:
-    """Write `draft` (for `target`) in format `fmt` to `out` atomically; returns `out`."""
+    """Write `draft` (for `target`) in format `fmt` to `out` atomically; returns `out`.
+    `speculators` also needs `verifier` (the id the engine serves the target as; the
+    exporting machine's path would mean nothing where it is served) and `speculative_tokens`
+    (the draft length per round the engine proposes; scripts/export.py takes both from the
+    checkpoint's config unless given); the other formats take neither."""
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: use one of {FORMATS}")
     refuse(fmt, draft)
+    check_served_settings(fmt, verifier, speculative_tokens)
     writers: dict[str, Callable[[Path, Path], None]] = {
         "hf": lambda tmp, final: export_hf(draft, target, tmp),
         "medusa": lambda tmp, final: export_medusa(draft, target, tmp, final),
         "vllm-medusa": lambda tmp, final: export_vllm_medusa(draft, target, tmp, final),
         "eagle": lambda tmp, final: export_eagle(draft, target, tmp, final),
-        "speculators": lambda tmp, final: export_speculators(draft, target, tmp, final),
+        "speculators": lambda tmp, final: export_speculators(
+            draft, target, tmp, final, verifier, speculative_tokens
+        ),
     }
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

@@ -40,7 +40,7 @@ from models.eagle import EagleDraft
 from models.medusa import MedusaHeads
 from models.target import Target
 from train.checkpoint import PREFIX, latest_checkpoint, load_tensors
-from train.formats.eagle_read import read_eagle_export
+from train.formats.eagle_read import in_tap_order, read_eagle_export
 from train.formats.export import MEDUSA_WEIGHTS, VLLM_WEIGHTS, medusa_keys, vllm_medusa_keys
 
 FORMATS = ("ours", "hf", "medusa", "vllm-medusa", "speculators", "eagle")
@@ -322,7 +322,7 @@ def _read_vllm_medusa(path: Path, draft: nn.Module, target: Target) -> tuple[dic
 
 def _read_eagle(path: Path, draft: nn.Module, target: Target, fmt: str) -> tuple[dict, dict]:
     _check_kind(isinstance(draft, EagleDraft), path, fmt, "eagle", draft)
-    state, s = read_eagle_export(path, target)
+    state, s = in_tap_order(*read_eagle_export(path, target), draft.hidden_layers)
     settings = {"style": s.get("style"), "layers": s.get("layers"),
                 "vocab_size": s.get("draft_vocab_size"), "train_head": s.get("train_head"),
                 "intermediate_size": s.get("intermediate_size")}  # fmt: skip
