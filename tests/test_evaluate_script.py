@@ -36,8 +36,9 @@ TIMING = (
     "_ms",
     "_share",
     "_best_ar",
+    "best_ar_dtype",
     "dtypes",
-)  # dtypes: timed
+)  # dtypes and the fastest AR's dtype: timed
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ def test_overrides_follow_hydras_grammar(run_dir):
     moved = ev.apply_overrides(cfg(), ["device=cpu", "target=hf", "target.path=/models/x"])
     assert OmegaConf.to_container(moved.target, resolve=True) == {
         "_target_": "models.target_loaders.load_hf_target", "path": "/models/x",
-        "dtype": "float32", "device": "cpu"}  # fmt: skip
+        "dtype": "auto", "device": "cpu"}  # fmt: skip
     refusals = {
         "decode.kk=3": "the config has no decode.kk .* write \\+decode.kk=3 to add it",
         "+decode.k=3": "decode.k is already set",
