@@ -45,6 +45,8 @@ def weights_fingerprint(model: nn.Module, sample: int = SAMPLE) -> str:
         h.update(f"{name}:{list(tensor.shape)}:".encode())
         if flat.numel() > sample:
             flat = flat[:: -(-flat.numel() // sample)]  # a strided view: <= sample values
+        if flat.device.type != "cpu":  # copy the sample only, not the whole tensor
+            flat = flat.contiguous()
         flat = flat.cpu()
         data = _bfloat16_bits(flat) if flat.is_floating_point() else flat.numpy()
         h.update(np.ascontiguousarray(data).tobytes())

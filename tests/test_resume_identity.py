@@ -137,3 +137,17 @@ def test_resume_keeps_the_lr_schedule_it_started_with(tmp_path, capsys):
     assert lrs[2] == pytest.approx(3e-4)
     assert [lrs[s] for s in (3, 4, 5)] == pytest.approx([3e-4] * 3)  # past the end: min_lr_ratio
     assert "the LR schedule stays the one the run started with" in capsys.readouterr().out
+
+
+def test_a_checkpoint_from_before_identity_json_still_resumes(tmp_path):
+    run(compose_debug(tmp_path, *DEBUG))
+    ckpt = list_checkpoints(tmp_path)[-1]
+    (ckpt / "identity.json").unlink()
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    del state["schedule"]  # its schedule is then the one its config.yaml describes
+    torch.save(state, ckpt / "trainer_state.pt")
+    with pytest.raises(ValueError, match="draft.model.num_layers: checkpoint 1, now 2"):
+        run(compose_debug(tmp_path, *DEBUG, "resume=true", "draft.model.num_layers=2"))
+    assert run(compose_debug(tmp_path, *DEBUG, "resume=true", "train.steps=3"))["steps"] == 3
+    lrs = {r["step"]: r["lr"] for r in metrics_records(tmp_path) if r["kind"] == "train"}
+    assert lrs[3] == pytest.approx(3e-4)
