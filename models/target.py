@@ -25,6 +25,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from models.dtypes import cast_keep_rotary
+from models.identity import weights_fingerprint
 
 
 @dataclass
@@ -40,9 +41,18 @@ class Target:
     def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, name: str):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.name = name  # a stable id, used to key caches of regenerated data
+        self.name = name  # a stable id, shown in records and cache keys
         self.config = model.config
+        self._fingerprint: str | None = None
         self._check_head()
+
+    @property
+    def fingerprint(self) -> str:
+        """Which weights these are (models/identity.py), computed once: the target is frozen.
+        Checkpoints record it; it keys the feature and regeneration caches."""
+        if self._fingerprint is None:
+            self._fingerprint = weights_fingerprint(self.model)
+        return self._fingerprint
 
     # -- facts a draft copies -------------------------------------------------
     @property

@@ -13,8 +13,12 @@
 
 CKPT is a `<run_dir>/checkpoints/step_N` directory written by train/checkpoint.py, or a run
 directory (its newest checkpoint). Its config is the run's full resolved config:
-CKPT/config.yaml, or for a checkpoint without one the run's config.yaml two levels above. It
-supplies the target, the data and the decode settings. With no override this reproduces the
+CKPT/config.yaml, or for a checkpoint without one the run's config.yaml two levels above (the
+first segment's: a resumed run writes its own config.resume-<step>.yaml beside it). It
+supplies the target, the data and the decode settings. What the checkpoint was trained with
+(its identity.json: the draft's settings, the target's weights and chat template;
+train/identity.py) is compared with the config after the overrides, and a difference is
+refused with the overrides that match: a moved target evaluates, other weights do not. With no override this reproduces the
 run's own final evaluation of that checkpoint exactly (same τ, α_i, acceptance histogram; only
 the timings, tokens/s and speedup, vary): both go through train.evaluate.evaluate_checkpoint,
 and the output has its keys ("greedy/tau", "T0.7/alpha", ..., defined in docs/design.md),
@@ -72,6 +76,7 @@ from train.data.prepare import prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.formats.export import checkpoint_config, load_target
 from train.formats.init_from import init_draft_from
+from train.identity import evaluate_differences, refusal
 from train.settings import check_decode
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -200,7 +205,7 @@ def composed_config(overrides: list[str]) -> DictConfig:
 def imported_draft(cfg: DictConfig, path: Path, target: Target) -> torch.nn.Module:
     """The draft cfg.draft builds for `target`, with the draft saved in `path` loaded into it."""
     draft = hydra.utils.instantiate(cfg.draft.model, target=target, token_counts=None)
-    fmt = init_draft_from(path, draft, target)
+    fmt = init_draft_from(path, draft, target, cfg.draft)
     progress(f"{path}: {fmt} format, loaded into draft={cfg.draft.kind}")
     return draft.eval()
 
@@ -284,6 +289,12 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     target = load_target(cfg)
     progress(f"target {target.name} on {target.device} ({time.perf_counter() - t0:.1f}s)")
+    if ckpt is not None and (diffs := evaluate_differences(ckpt, cfg, target)):
+        raise ValueError(refusal(
+            f"{ckpt} was trained with other settings than the config given here:", diffs,
+            "The checkpoint's own draft.yaml builds the draft, so an override of draft.* would "
+            "be ignored: drop it; and give the target the checkpoint was trained with.",
+        ))  # fmt: skip
     if args.prompts is not None:
         eval_prompts = load_prompts(args.prompts, target, cfg.data.get("chat_template"))
         source = str(args.prompts)

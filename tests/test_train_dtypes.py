@@ -88,3 +88,16 @@ def test_threads_are_the_cores_shared_by_processes(monkeypatch):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_resumed_auto_run_keeps_the_target_dtype_it_ran_in(tmp_path, monkeypatch):
+    """A re-measured verdict must not change the features the draft reads mid-run."""
+    overrides = ("target.dtype=auto", "train.bf16=false", "train.eval_at_ckpt=false",
+                 "train.ckpt_every=1", f"data.cache_dir={tmp_path}/c")  # fmt: skip
+    fake_timings(monkeypatch, "bfloat16")
+    first = run(compose_debug(tmp_path / "run", "train.steps=1", *overrides))
+    assert first["dtypes"]["train_target"]["dtype"] == "bfloat16"
+    fake_timings(monkeypatch, "float32")  # the machine now says float32 (a cleared cache)
+    second = run(compose_debug(tmp_path / "run", "train.steps=2", "resume=true", *overrides))
+    assert second["dtypes"]["train_target"] == {**second["dtypes"]["train_target"],
+                                                "dtype": "bfloat16", "source": "resumed"}  # fmt: skip

@@ -5,7 +5,10 @@ Layout of `<run_dir>/checkpoints/step_00000100/`:
     draft.yaml          the resolved cfg.draft (reload = instantiate + load_state_dict(strict))
     config.yaml         the resolved run config it was trained with (scripts/evaluate.py reads it,
                         so a copied checkpoint folder evaluates on its own)
-    trainer_state.pt    step, data position, optimizer, scheduler, RNG states of every rank
+    identity.json       the settings that shape the draft's computation and the target's
+                        identity (train/identity.py), compared on resume, init_from, evaluate
+    trainer_state.pt    step, rows consumed, optimizer, LR scheduler and the settings of its
+                        schedule, RNG states of every rank
     meta.json           step, loss, wall time (for humans and notebooks)
 
 A checkpoint is written into `.tmp-step_*`, every file fsync'ed, then the directory is
@@ -120,9 +123,11 @@ def save_checkpoint(
     keep_last: int,
     meta: dict | None = None,
     config_yaml: str | None = None,
+    identity: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically, then keep only the newest `keep_last`.
-    `config_yaml`: the resolved run config, saved beside the weights."""
+    `config_yaml`: the resolved run config, saved beside the weights; `identity`: what
+    train/identity.py compares (identity.json)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -134,6 +139,8 @@ def save_checkpoint(
         (tmp / "draft.yaml").write_text(draft_cfg_yaml)
         if config_yaml is not None:
             (tmp / "config.yaml").write_text(config_yaml)
+        if identity is not None:
+            (tmp / "identity.json").write_text(json.dumps(identity, indent=2))
         torch.save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, indent=2))
         for f in tmp.iterdir():
@@ -288,23 +295,26 @@ def set_rng_state(state: dict) -> None:
 
 def trainer_state(
     step: int,
-    rows_per_step: int,
+    rows_consumed: int,
     world_size: int,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     rng_all: list[dict],
     replay_all: list[dict] | None,
     train_s: float,
+    schedule: dict | None = None,
 ) -> dict:
-    """What `restore_trainer_state` needs to continue a run exactly: the step and data
-    position, optimizer and LR schedule, every rank's RNG states and replay buffers, and the
-    training seconds spent (a time budget's clock)."""
+    """What a resumed run needs to continue exactly: the step and data position (rows of the
+    seeded stream consumed: train/schedule.py), optimizer and LR scheduler with the settings
+    of its schedule (train/schedule.py: schedule_settings), every rank's RNG states and
+    replay buffers, and the training seconds spent (a time budget's clock)."""
     return {
         "step": step,
-        "rows_consumed": step * rows_per_step,
+        "rows_consumed": rows_consumed,
         "world_size": world_size,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
+        "schedule": schedule,
         "rng": rng_all,  # one entry per rank
         "replay": replay_all,  # every rank's buffer
         "train_s": train_s,

@@ -20,9 +20,10 @@ epoch exactly the bits an online run computes, and later epochs (reshuffled batc
 from an online run by that same batch-to-batch rounding, not by anything the cache adds.
 
 Layout: <root>/features/<key>/{index.json, shard_00000.safetensors, ...}, each shard holding
-one [tokens, H] tensor per stored state. The key hashes the target name and dtype, every
-row's token ids and the hidden layers, so a changed target, data or tap set never reads a
-stale cache. The pass writes into a temporary directory renamed at the end: a key directory
+one [tokens, H] tensor per stored state. The key hashes the target's name, the fingerprint of
+its weights (models/identity.py: re-saved weights at the same path are another target) and
+its dtype, every row's token ids and the hidden layers, so a changed target, data or tap set
+never reads a stale cache. The pass writes into a temporary directory renamed at the end: a key directory
 is complete, and one that fails the checks in `_open` (missing or short shard, wrong shapes)
 is deleted and rebuilt, never read.
 """
@@ -74,6 +75,7 @@ def cache_settings(target: Target, train_rows, hidden_layers: tuple[int, ...]) -
     return {
         "format": FORMAT,
         "target": target.name,
+        "weights": target.fingerprint,
         "dtype": str(target.dtype).removeprefix("torch."),
         "hidden_size": target.hidden_size,
         "hidden_layers": list(hidden_layers),

@@ -5,7 +5,7 @@ order `run` uses them: the start-up checks (train/settings.py), data (train/data
 draft and its warm start (train/formats/init_from.py), the feature cache
 (train/feature_cache.py), row order and LR schedule (train/schedule.py), replay
 (train/replay.py), one optimizer step (train/step.py), checkpoints and exact resume
-(train/checkpoint.py), evaluation (train/evaluate.py), records and W&B
+(train/checkpoint.py; what must match, train/identity.py), evaluation (train/evaluate.py), records and W&B
 (train/step_stats.py, train/report/tracking.py).
 
 With train.time_budget_s the run stops once that much training time (steps with their replay
@@ -44,11 +44,12 @@ from train.checkpoint import (
 from train.data.prepare import PreparedData, collate, prepare_data
 from train.evaluate import DecodeCopies, evaluate_checkpoint, format_eval_table
 from train.feature_cache import FeatureCache, build_feature_cache
-from train.formats.init_from import init_draft_from
+from train.formats.init_from import check_init_from, init_draft_from
+from train.identity import Resumed, check_resume, run_identity
 from train.machine import choose_autocast, set_target_dtype, share_threads
 from train.replay import Replay
 from train.report.tracking import RunLog, finish_tracking, init_tracking, tracker
-from train.schedule import global_rows, lr_lambda, rank_chunks
+from train.schedule import global_rows, lr_lambda, rank_chunks, schedule_settings
 from train.settings import check_settings
 from train.step import StepResult, StepSetup, TrainingDiverged, train_step
 from train.step_stats import StepWindow, proxy_tags
@@ -102,7 +103,7 @@ def build_draft(cfg: DictConfig, target: Target, prepared: PreparedData, warm_st
     draft = instantiate(cfg.draft.model, target=target, token_counts=prepared.token_counts)
     draft.to(target.device)
     if cfg.draft.get("init_from") and warm_start:
-        init_draft_from(cfg.draft.init_from, draft, target)
+        init_draft_from(cfg.draft.init_from, draft, target, cfg.draft)
     return draft
 
 
@@ -172,15 +173,18 @@ class RunRecords:
     evals: list[dict] = field(default_factory=list)  # eval records, oldest first
     last_checkpoint: str | None = None
     decode_copies: DecodeCopies | None = None  # built at the first evaluation, then reused
+    rows_consumed: int = 0  # rows of the seeded stream trained on, all segments of the run
+    schedule: dict = field(default_factory=dict)  # the LR schedule's settings, as it started
+    identity: dict | None = None  # identity.json of every checkpoint (train/identity.py)
 
     @classmethod
-    def resumed(cls, earlier: list[dict], checkpoint: Path | None) -> RunRecords:
+    def resumed(cls, earlier: list[dict], checkpoint: Path | None, **facts) -> RunRecords:
         trained = [r for r in earlier if r["kind"] == "train"]
         evals = [
             {k: v for k, v in r.items() if k != "kind"} for r in earlier if r["kind"] == "eval"
         ]
         last_ckpt = str(checkpoint) if checkpoint else None
-        return cls(trained[-1] if trained else None, evals, last_ckpt)
+        return cls(trained[-1] if trained else None, evals, last_ckpt, **facts)
 
 
 def checkpoint_and_evaluate(
@@ -195,14 +199,12 @@ def checkpoint_and_evaluate(
     rng_all = gather_object([rng_state()])  # one entry per rank
     replay_all = gather_object([replay.state_dict()]) if replay is not None else None
     if accelerator.is_main_process:
-        rows_per_step = tc.batch_size * world * tc.grad_accum
-        state = trainer_state(
-            step, rows_per_step, world, optimizer, scheduler, rng_all, replay_all, train_s
-        )
+        state = trainer_state(step, records.rows_consumed, world, optimizer, scheduler, rng_all,
+                              replay_all, train_s, records.schedule)  # fmt: skip
         records.last_checkpoint = str(save_checkpoint(
             cfg.run_dir, step, draft_state, OmegaConf.to_yaml(cfg.draft, resolve=True), state,
             tc.keep_last, meta={"loss": loss, "name": str(cfg.name)},
-            config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+            config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
         ))  # fmt: skip
         every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
         if tc.eval_at_ckpt and (last or not every or step % every == 0):
@@ -249,8 +251,9 @@ def run(cfg: DictConfig) -> dict:
     accelerator.wait_for_everyone()
     if main and cfg.overwrite and resume_from is None:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        for name in ("metrics.jsonl", "summary.json"):
-            (run_dir / name).unlink(missing_ok=True)
+        for path in [run_dir / "metrics.jsonl", run_dir / "summary.json",
+                     *run_dir.glob("config.resume-*.yaml")]:  # fmt: skip
+            path.unlink(missing_ok=True)
     set_seed(cfg.seed)
 
     # -- target, data, draft, optimizer ---------------------------------------------
@@ -258,11 +261,19 @@ def run(cfg: DictConfig) -> dict:
     threads = share_threads(local, accelerator.device)
     target = instantiate(cfg.target)  # target.dtype=auto: loaded in float32, measured below
     target.to(accelerator.device)
+    resumed: Resumed | None = None  # the saved run continued exactly, or refused here
+    if resume_from is not None:
+        resumed = check_resume(cfg, resume_from, target, world)
+        for note in resumed.notes if main else []:
+            print(f"[resume] {note}", flush=True)
+    elif cfg.draft.get("init_from"):
+        check_init_from(cfg.draft, target)
     with accelerator.main_process_first():  # rank 0 fills the regeneration cache
         prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
     pad_id = target.tokenizer.pad_token_id
-    dtypes = {"train_target": set_target_dtype(cfg, target, train_rows[0])}
+    saved_dtype = resumed.target_dtype if resumed else None
+    dtypes = {"train_target": set_target_dtype(cfg, target, train_rows[0], saved_dtype)}
     draft = build_draft(cfg, target, prepared, warm_start=resume_from is None)
     offsets = preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
     features = feature_cache(cfg, accelerator, target, draft, train_rows)
@@ -281,8 +292,10 @@ def run(cfg: DictConfig) -> dict:
         lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
     )  # fmt: skip
     clock = {"train_s": 0.0}  # training seconds so far: steps with their replay rollouts
-    time_share = None if budget is None else (lambda: clock["train_s"] / budget)
-    schedule = lr_lambda(oc.warmup_steps, tc.steps, oc.min_lr_ratio, time_share)
+    sched = resumed.schedule if resumed else schedule_settings(cfg)  # a run keeps its own
+    sched_budget = sched["time_budget_s"]
+    time_share = None if sched_budget is None else (lambda: clock["train_s"] / sched_budget)
+    schedule = lr_lambda(sched["warmup_steps"], sched["steps"], sched["min_lr_ratio"], time_share)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)  # stepped by hand
     replay = make_replay(cfg, train_rows, offsets, pad_id, accelerator)
     start_step = 0
@@ -296,12 +309,16 @@ def run(cfg: DictConfig) -> dict:
     params = [p for p in draft.parameters() if p.requires_grad]  # the prepared ones: clipped
 
     # -- records ----------------------------------------------------------------------
-    if main:
+    if main:  # each segment keeps its own config: config.yaml, config.resume-<step>.yaml
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        segment = "config.yaml" if resumed is None else f"config.resume-{start_step:08d}.yaml"
+        (run_dir / segment).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     log = RunLog(run_dir, accelerator, start_step if resume_from is not None else None)
     init_tracking(accelerator, cfg, run_dir)
-    records = RunRecords.resumed(log.earlier, resume_from)
+    records = RunRecords.resumed(
+        log.earlier, resume_from, rows_consumed=resumed.rows_consumed if resumed else 0,
+        schedule=sched, identity=run_identity(cfg, target, core),
+    )  # fmt: skip
     window = StepWindow(len(offsets), proxy_tags(cfg.decode))
     rows_per_step = tc.batch_size * world * tc.grad_accum
     t_run = time.perf_counter()
@@ -312,8 +329,8 @@ def run(cfg: DictConfig) -> dict:
     out_of_time = budget is not None and clock["train_s"] >= budget  # spent before a resume
     for step in range(start_step, start_step if out_of_time else tc.steps):
         t_step = time.perf_counter()
-        core.set_progress(clock["train_s"] / budget if budget else step / tc.steps)
-        rows = global_rows(step, rows_per_step, len(train_rows), cfg.seed)
+        core.set_progress(time_share() if time_share else step / sched["steps"])
+        rows = global_rows(records.rows_consumed, rows_per_step, len(train_rows), cfg.seed)
         chunks = rank_chunks(rows, tc.batch_size, tc.grad_accum, rank, world)
         micro = [
             to_device(collate([train_rows[i] for i in c], pad_id), accelerator) for c in chunks
@@ -324,6 +341,7 @@ def run(cfg: DictConfig) -> dict:
             bar.close()
             raise diverged(step, result, records.last_checkpoint)
         optimizer.step()
+        records.rows_consumed += rows_per_step
         step_time = time.perf_counter() - t_step
         clock["train_s"] += step_time
         scheduler.step()

@@ -123,10 +123,16 @@ def choose_autocast(
     return choose_dtype("train_draft", "auto", shapes, measure, target.device, cache_dir)
 
 
-def set_target_dtype(cfg: DictConfig, target: Target, row: dict) -> DtypeChoice:
-    """The target's training dtype (target.dtype; "auto": measured), the target cast to it
-    in place."""
-    choice = choose_target_dtype(str(cfg.target.dtype), target, row, cfg.data.get("cache_dir"))
+def set_target_dtype(
+    cfg: DictConfig, target: Target, row: dict, resumed_dtype: str | None = None
+) -> DtypeChoice:
+    """The target's training dtype (target.dtype; "auto": measured, or on a resume the dtype
+    the run's checkpoint ran in), the target cast to it in place."""
+    setting = str(cfg.target.dtype)
+    if setting == "auto" and resumed_dtype is not None:
+        choice = DtypeChoice("train_target", resumed_dtype, "resumed")
+    else:
+        choice = choose_target_dtype(setting, target, row, cfg.data.get("cache_dir"))
     if target.dtype != resolve_dtype(choice.dtype):
         target.to(dtype=resolve_dtype(choice.dtype))
     return choice

@@ -5,7 +5,8 @@ One optimizer step = `grad_accum` micro-batches of `batch_size` rows on every ra
 global batch (batch_size x world_size x grad_accum rows) is cut from one seeded stream of row
 indices (a fresh permutation per epoch), rank r taking its slice, so 2 ranks x 2 rows see
 exactly the rows of 1 rank x 4 rows, and the rows of any step follow from the number of rows
-consumed before it.
+consumed before it. The LR schedule is built from `schedule_settings`, saved with each
+checkpoint.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ def _epoch_order(seed: int, epoch: int, num_rows: int) -> tuple[int, ...]:
     return tuple(torch.randperm(num_rows, generator=g).tolist())
 
 
-def global_rows(step: int, rows_per_step: int, num_rows: int, seed: int) -> list[int]:
-    """Row indices of optimizer step `step`: a contiguous slice of an endless stream that
-    visits every row once per epoch in a seeded per-epoch order."""
-    out, start = [], step * rows_per_step
-    for j in range(start, start + rows_per_step):
+def global_rows(first: int, count: int, num_rows: int, seed: int) -> list[int]:
+    """Rows `first` .. `first + count - 1` of an endless stream that visits every row once
+    per epoch in a seeded per-epoch order: an optimizer step's rows, `first` being the rows
+    consumed before it (saved in each checkpoint, so a resumed run continues the stream even
+    with another number of rows per step)."""
+    out = []
+    for j in range(first, first + count):
         epoch, pos = divmod(j, num_rows)
         out.append(_epoch_order(seed, epoch, num_rows)[pos])
     return out
@@ -64,3 +67,14 @@ def lr_lambda(
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn
+
+
+def schedule_settings(cfg) -> dict:
+    """What `lr_lambda` is built from (cfg: the run config). Saved in every checkpoint, so a
+    resumed run keeps the schedule it started with whatever its train.steps or time budget."""
+    return {
+        "warmup_steps": int(cfg.optim.warmup_steps),
+        "steps": int(cfg.train.steps),
+        "min_lr_ratio": float(cfg.optim.min_lr_ratio),
+        "time_budget_s": cfg.train.get("time_budget_s"),
+    }

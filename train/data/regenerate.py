@@ -6,9 +6,12 @@ what the draft sees at decode time: the field reports ~+10% τ from it.
 Cache layout: <root>/data/regen/<settings-key>/responses.jsonl, one JSON line per
 answered prompt, appended batch by batch (a crash loses at most one batch; a rerun
 skips every prompt already in the file). The settings key hashes the target name, the
-chat template the prompts were rendered with (data.chat_template, resolved) and the
-sampling settings; inside it each line is keyed by a hash of the
+fingerprint of its weights (models/identity.py: weights re-saved under the same name or path
+answer afresh), the chat template the prompts were rendered with (data.chat_template,
+resolved) and the sampling settings; inside it each line is keyed by a hash of the
 prompt's token ids, so a larger or reshuffled prompt set reuses every earlier answer.
+A cache written before the fingerprint entered the key (`legacy_key`) is adopted once by the
+first target of that name to ask for it, with a warning (delete it to answer afresh).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,6 +58,7 @@ def settings_key(
         chat_template = target.tokenizer.chat_template or ""
     return {
         "target": target.name,
+        "weights": target.fingerprint,
         "chat_template": _sha(chat_template),
         "eos": target.eos_token_ids,
         "dtype": str(resolve_dtype(dtype)).removeprefix("torch."),
@@ -63,6 +68,31 @@ def settings_key(
         "top_p": top_p if temperature > 0 else None,
         "seed": seed if temperature > 0 else None,
     }
+
+
+def legacy_key(settings: dict) -> str:
+    """The key a cache had before the weights' fingerprint was part of it."""
+    return _sha({k: v for k, v in settings.items() if k != "weights"})
+
+
+def _adopt_legacy(regen: Path, settings: dict, shard_dir: Path) -> None:
+    """Rename a cache of these settings written before the fingerprint entered the key to
+    the new key: its answers are taken as those of the weights the target's name stands
+    for now (true of the embedded target, whose weights never change)."""
+    legacy = regen / legacy_key(settings)
+    if shard_dir.exists() or not (legacy / "responses.jsonl").is_file():
+        return
+    try:
+        os.rename(legacy, shard_dir)
+    except OSError:  # another process adopted it first
+        return
+    warnings.warn(
+        f"regeneration cache {legacy} (written before caches were keyed by the target's "
+        f"weights) is taken as the answers of target {settings['target']!r} with weights "
+        f"{settings['weights']} and moved to {shard_dir}; delete that directory if the "
+        "weights under this name have changed since",
+        stacklevel=3,
+    )
 
 
 def _read_shard(path: Path) -> dict[str, dict]:
@@ -115,6 +145,7 @@ def regenerate(
     settings = settings_key(target, max_new_tokens, temperature, top_p, seed, chat_template, dtype)
     root = Path(cache_dir) if cache_dir else default_cache_root()
     shard_dir = root / "data" / "regen" / _sha(settings)
+    _adopt_legacy(root / "data" / "regen", settings, shard_dir)
     shard_dir.mkdir(parents=True, exist_ok=True)
     (shard_dir / "settings.json").write_text(json.dumps(settings, indent=1))
     shard = shard_dir / "responses.jsonl"

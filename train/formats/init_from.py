@@ -18,6 +18,12 @@ Medusa output layers: the Medusa repository trains one copy of the target's lm_h
 Heads with `head_init=copy` load them as they are; `head_init=shared` heads only when each one
 IS the target's lm_head (else the error says to set head_init=copy).
 
+Settings no tensor shows: a draftlab checkpoint's identity.json (train/identity.py) is compared
+with the draft the config builds (draft kind, every draft.model setting but the fresh-start
+ones, the taps resolved) and with the target's weights, and every difference is refused in
+one message that says which settings are free to change; the EAGLE exports' recorded taps and
+style are compared likewise.
+
 Strict: every tensor of the draft's state_dict must come from the files and none may be left
 over; checked before the draft is touched, then loaded into a copy first, so a failed import
 leaves the draft as it was. Errors say what did not fit and which setting to change.
@@ -42,6 +48,7 @@ from models.target import Target
 from train.checkpoint import PREFIX, latest_checkpoint, load_tensors
 from train.formats.eagle_read import in_tap_order, read_eagle_export
 from train.formats.export import MEDUSA_WEIGHTS, VLLM_WEIGHTS, medusa_keys, vllm_medusa_keys
+from train.identity import FREE_ON_INIT, init_differences, refusal
 
 FORMATS = ("ours", "hf", "medusa", "vllm-medusa", "speculators", "eagle")
 LOOKED_FOR = (
@@ -178,11 +185,17 @@ def _check_state(state: dict, draft: nn.Module, target: Target, where: str, sett
 
 
 # -- the formats: each gives (state keyed like draft.state_dict(), the files' draft settings) ----
+def _our_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or a run directory's newest checkpoint."""
+    if (path / "draft.yaml").is_file():
+        return path
+    if (newest := latest_checkpoint(path)) is None:
+        raise InitError(f"run directory {path} holds no checkpoint ({PREFIX}N) in checkpoints/")
+    return newest
+
+
 def _read_ours(path: Path, draft: nn.Module, target: Target) -> tuple[dict, dict]:
-    if not (path / "draft.yaml").is_file():  # a run directory: its newest checkpoint
-        if (newest := latest_checkpoint(path)) is None:
-            raise InitError(f"run directory {path} holds no checkpoint ({PREFIX}N) in checkpoints/")
-        path = newest
+    path = _our_checkpoint(path)
     settings = OmegaConf.to_container(OmegaConf.load(path / "draft.yaml").model, resolve=True)
     # models.medusa.from_target -> models.medusa
     module = settings.pop("_target_").rsplit(".", 1)[0]
@@ -336,7 +349,8 @@ def _read_eagle(path: Path, draft: nn.Module, target: Target, fmt: str) -> tuple
     if taps is not None and [i % n for i in taps] != [i % n for i in draft.hidden_layers]:
         raise InitError(
             f"{path} reads target layers {list(s['layers'])}, the draft built from the config "
-            f"{list(draft.hidden_layers)}: set draft.model.layers={list(s['layers'])}"
+            f"{list(draft.hidden_layers)}: set draft.model.layers={list(s['layers'])}. "
+            + FREE_ON_INIT
         )
     return state, settings
 
@@ -351,11 +365,34 @@ READERS = {
 }
 
 
-def init_draft_from(path: str | Path, draft: nn.Module, target: Target) -> str:
-    """Load the draft saved in `path` (any of FORMATS) into `draft`, built from the config for
-    `target`; returns the format. On any error `draft` is left unchanged."""
+def _refuse_differences(path: Path, diffs: list) -> None:
+    if diffs:
+        raise InitError(refusal(
+            f"draft.init_from={str(path)!r}: the checkpoint was trained with other settings than "
+            "the draft and target of this run:", diffs, FREE_ON_INIT,
+        ))  # fmt: skip
+
+
+def check_init_from(draft_cfg, target: Target) -> str:
+    """Before the data is prepared: `draft_cfg.init_from` holds a draft format, and a draftlab
+    checkpoint's settings match `draft_cfg` (the taps as configured: the load compares them
+    resolved) and the target. Returns the format."""
+    path = Path(draft_cfg.init_from).expanduser()
+    fmt = detect_format(path)
+    if fmt == "ours":
+        _refuse_differences(path, init_differences(_our_checkpoint(path), target, draft_cfg))
+    return fmt
+
+
+def init_draft_from(path: str | Path, draft: nn.Module, target: Target, draft_cfg=None) -> str:
+    """Load the draft saved in `path` (any of FORMATS) into `draft`, built from the config's
+    `draft_cfg` (cfg.draft; without it a draftlab checkpoint's taps are compared, not its
+    other settings) for `target`; returns the format. On any error `draft` is unchanged."""
     path = Path(path).expanduser()
     fmt = detect_format(path)
+    if fmt == "ours":
+        ckpt = _our_checkpoint(path)
+        _refuse_differences(path, init_differences(ckpt, target, draft_cfg, draft))
     state, settings = READERS[fmt](path, draft, target)
     _check_state(state, draft, target, f"draft.init_from={str(path)!r} ({fmt})", settings)
     # The draft's own load checks (e.g. EAGLE's vocabulary map) run on a copy first.
