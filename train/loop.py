@@ -242,7 +242,18 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
 
 
 def run(cfg: DictConfig) -> dict:
-    """Train cfg.draft on cfg.target; checkpoints, evaluation and summary in cfg.run_dir."""
+    """Train cfg.draft on cfg.target; checkpoints, evaluation and summary in cfg.run_dir.
+    The run sets torch's thread count to its share of the cores (train/machine.py); a caller
+    that runs it in-process (tests, a notebook) gets its own count back."""
+    threads = torch.get_num_threads()
+    try:
+        return train_run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_run(cfg: DictConfig) -> dict:
+    """`run` itself."""
     check_settings(cfg)  # every decode / replay / loop setting, before anything is loaded
     accelerator = make_accelerator(cfg)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes  # fmt: skip
