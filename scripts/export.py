@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     parser.add_argument("--device", default="cpu", help="where to load the target (default cpu)")
     args = parser.parse_args(argv)
+    if not args.checkpoint.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint {args.checkpoint} does not exist; give a <run_dir>/checkpoints/step_N "
+            "directory written by a draftlab training run"
+        )
     draft, target = load_run_draft(args.checkpoint, device=args.device)
     try:
         out = export(draft, target, args.format, args.out, overwrite=args.overwrite)
@@ -43,4 +48,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as err:  # a refusal: one line, no traceback
+        sys.exit(f"export.py: error: {err}")

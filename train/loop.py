@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +45,9 @@ from train.feature_cache import FeatureCache, build_feature_cache
 from train.formats.init_from import init_draft_from
 from train.replay import Replay
 from train.report.tracking import RunLog, finish_tracking, init_tracking, tracker
+from train.run_files import check_run_dir, clear_run, save_hydra_record, write_atomic
 from train.schedule import global_rows, lr_lambda, rank_chunks
-from train.settings import check_settings
+from train.settings import check_decode_context, check_settings
 from train.step import StepResult, StepSetup, TrainingDiverged, train_step
 from train.step_stats import StepWindow, proxy_tags
 
@@ -226,7 +226,7 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
         "final_eval": last_eval or None,
         "tau_curve": [[e["step"], e.get("tau")] for e in records.evals],
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     if records.evals:
         print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
         print(format_eval_table(records.evals), flush=True)
@@ -240,11 +240,8 @@ def run(cfg: DictConfig) -> dict:
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes  # fmt: skip
     run_dir, tc = Path(cfg.run_dir), cfg.train
     resume_from = resume_checkpoint(run_dir, bool(cfg.resume), bool(cfg.overwrite))
+    check_run_dir(run_dir, bool(cfg.resume), bool(cfg.overwrite))  # no mixed records
     accelerator.wait_for_everyone()
-    if main and cfg.overwrite and resume_from is None:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        for name in ("metrics.jsonl", "summary.json"):
-            (run_dir / name).unlink(missing_ok=True)
     set_seed(cfg.seed)
 
     # -- target, data, draft, optimizer ---------------------------------------------
@@ -252,6 +249,8 @@ def run(cfg: DictConfig) -> dict:
     target.to(accelerator.device)
     with accelerator.main_process_first():  # rank 0 fills the regeneration cache
         prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
+    if tc.eval_at_ckpt:  # the evaluation's prompts + new tokens fit the context window
+        check_decode_context(target, cfg.decode, prepared.eval_prompts)
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
     pad_id = target.tokenizer.pad_token_id
     draft = build_draft(cfg, target, prepared, warm_start=resume_from is None)
@@ -280,10 +279,13 @@ def run(cfg: DictConfig) -> dict:
     core = accelerator.unwrap_model(draft)
     params = [p for p in draft.parameters() if p.requires_grad]  # the prepared ones: clipped
 
-    # -- records ----------------------------------------------------------------------
+    # -- records: the run directory is created (or, with overwrite, cleared) only now ----
     if main:
+        if cfg.overwrite and resume_from is None:
+            clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        save_hydra_record(run_dir, cfg)
     log = RunLog(run_dir, accelerator, start_step if resume_from is not None else None)
     init_tracking(accelerator, cfg, run_dir)
     records = RunRecords.resumed(log.earlier, resume_from)
