@@ -73,7 +73,7 @@ from train.data.chat import resolve_chat_template, tokenize_conversation
 from train.data.prepare import prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.formats.export import checkpoint_config, load_target
-from train.formats.init_from import init_draft_from
+from train.formats.init_from import detect_format, init_draft_from
 from train.settings import check_decode, check_decode_context, check_draft_decode
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt = None
     if args.init_from is not None:
         cfg = composed_config(args.args)
+        detect_format(args.init_from)  # a missing or unreadable DIR, before the target loads
         progress(f"draft.init_from={args.init_from}, draft={cfg.draft.kind}")
     elif args.args:
         ckpt = find_checkpoint(Path(args.args[0]))

@@ -60,6 +60,17 @@ def test_evaluate_refuses_a_k_the_block_draft_cannot_draft(tmp_path, monkeypatch
         ev.main(["--init-from", str(ckpt), "+experiment=debug", "draft=dflash", "decode.k=12"])
 
 
+def test_a_missing_init_from_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(train.loop, "instantiate", no_loading)
+    monkeypatch.setattr(ev, "load_target", no_loading)
+    nope = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=r"draft.init_from=.*nope' is not a directory"):
+        train.loop.run(compose_debug(tmp_path / "run", f"draft.init_from={nope}"))
+    with pytest.raises(FileNotFoundError, match=r"draft.init_from=.*nope' is not a directory"):
+        ev.main(["--init-from", str(nope), "+experiment=debug"])
+    assert not (tmp_path / "run").exists()
+
+
 # -- data sources ------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from decoding.verify import check_sampling
 from models.dtypes import resolve_dtype
 from models.target import Target
 from train.data.sources import check_source
+from train.formats.init_from import detect_format
 from train.losses import LossSpec
 from train.replay import Replay
 
@@ -216,6 +217,8 @@ def check_settings(cfg: DictConfig) -> None:
     """Raise a ValueError naming the first bad setting and what it must be."""
     check_unset(cfg)
     check_source(cfg.data.source)  # a missing or empty file, before the target loads
+    if cfg.draft.get("init_from") and not cfg.resume:  # a path that holds no draft we read
+        detect_format(cfg.draft.init_from)
     check_train(cfg.train)
     check_loss_and_optim(cfg)
     check_decode(cfg.decode)
