@@ -73,6 +73,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_context(target: Target, prompt_tokens: int, new_tokens: int, what: str, fix: str) -> None:
+    """Refuse `prompt_tokens` + `new_tokens` positions beyond the target's context window
+    (Target.context_length): past it rope runs outside its trained range, or a learned
+    position table runs out, and the decode silently goes wrong. `what` names the prompt and
+    the new-token setting, `fix` the settings that would fit. (Decoding feeds at most
+    prompt + new_tokens - 1 positions; the last token is emitted, never fed.)"""
+    window = target.context_length
+    if window is not None and prompt_tokens + new_tokens > window:
+        raise ValueError(
+            f"{what}: {prompt_tokens} prompt tokens + {new_tokens} new tokens = "
+            f"{prompt_tokens + new_tokens} positions, beyond the context window of target "
+            f"{target.name!r} ({window} positions, config.max_position_embeddings); {fix}"
+        )
+
+
 def check_inputs(
     target: Target,
     input_ids: Tensor,
@@ -111,6 +126,13 @@ def check_inputs(
                 "prompts must be LEFT-padded (the last column of attention_mask must "
                 "be 1); set tokenizer.padding_side = 'left'"
             )
+    longest = (
+        int(attention_mask.sum(-1).max()) if attention_mask is not None else input_ids.shape[1]
+    )
+    check_context(
+        target, longest, max_new_tokens, "decoding",
+        "lower max_new_tokens or shorten the prompt",
+    )  # fmt: skip
     vocab = None if drafter is None else drafter.vocab_size  # None: plain AR decoding
     if vocab is not None and vocab != target.vocab_size:
         raise ValueError(

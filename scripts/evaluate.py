@@ -34,7 +34,9 @@ Hydra, the group choices come first wherever they stand, then the keys in order
 (`decode=tree_dynamic decode.num_prompts=24`: the group's decode settings, then 24 prompts).
 The run's config is resolved, so `device=` does not reach the target: write
 `target.device=cuda`. Decode settings are checked as at the start of training
-(train.settings.check_decode).
+(train.settings: check_decode, check_draft_decode: a k beyond what one round of the draft
+drafts is refused, not silently cut; check_decode_context: prompts + new tokens within the
+target's context window).
 
 `--init-from DIR` evaluates a draft saved in any format train/formats/init_from.py reads (a
 checkpoint, or an hf / medusa / vllm-medusa / speculators / eagle export: docs/export.md,
@@ -75,9 +77,9 @@ from train.data.chat import resolve_chat_template, tokenize_conversation
 from train.data.prepare import prepare_data
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.formats.export import checkpoint_config, load_target
-from train.formats.init_from import init_draft_from
+from train.formats.init_from import detect_format, init_draft_from
 from train.identity import evaluate_differences, refusal
-from train.settings import check_decode
+from train.settings import check_decode, check_decode_context, check_draft_decode
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -278,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt = None
     if args.init_from is not None:
         cfg = composed_config(args.args)
+        detect_format(args.init_from)  # a missing or unreadable DIR, before the target loads
         progress(f"draft.init_from={args.init_from}, draft={cfg.draft.kind}")
     elif args.args:
         ckpt = find_checkpoint(Path(args.args[0]))
@@ -285,7 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
         progress(f"checkpoint {ckpt}")
     else:
         parser.error("give CKPT [KEY=VALUE ...], or --init-from DIR [KEY=VALUE ...]")
-    check_decode(cfg.decode)  # the same start-up checks as training (train/settings.py)
+    # The same start-up checks as training (train/settings.py), the draft's own limits (a
+    # block-8 DFlash drafts at most 7 per round) included.
+    check_decode(cfg.decode)
+    check_draft_decode(cfg)
     t0 = time.perf_counter()
     target = load_target(cfg)
     progress(f"target {target.name} on {target.device} ({time.perf_counter() - t0:.1f}s)")
@@ -310,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "the run's data config holds no eval prompts (data.num_eval=0); "
                 "pass --prompts FILE.jsonl"
             )
+    check_decode_context(target, cfg.decode, eval_prompts)  # before any draft is loaded
     if ckpt is None:
         draft = imported_draft(cfg, args.init_from, target)
     else:

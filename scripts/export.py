@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> Path:
         help="speculators: draft tokens per round the engine proposes (default: the run's decode.k)",
     )
     args = parser.parse_args(argv)
+    if not args.checkpoint.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint {args.checkpoint} does not exist; give a <run_dir>/checkpoints/step_N "
+            "directory written by a draftlab training run"
+        )
     verifier, k = args.verifier, args.speculative_tokens
     try:
         if args.format == "speculators":  # defaults from the run's config, checked before loading
@@ -77,4 +82,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as err:  # a refusal: one line, no traceback
+        sys.exit(f"export.py: error: {err}")

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from train.data.prepare import prepare_data
+from train.data.sources import check_source
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +50,15 @@ def main() -> None:
         else:
             rest.append(o)
     overrides = [f"+{k}={v}" for k, v in chosen.items()] + rest
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name=None, overrides=overrides)
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+            cfg = compose(config_name=None, overrides=overrides)
+    except HydraException as err:
+        raise ValueError(
+            f"{err} (the arguments are overrides of the target and data groups only: "
+            "target=NAME data=NAME data.KEY=VALUE target.KEY=VALUE device=cpu; no +experiment=)"
+        ) from None
+    check_source(cfg.data.source)  # a missing or empty file, before the target loads
 
     t0 = time.perf_counter()
     target = instantiate(cfg.target)
@@ -78,4 +88,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as err:  # a refusal: one line, no traceback
+        sys.exit(f"regenerate.py: error: {err}")

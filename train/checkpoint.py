@@ -134,6 +134,7 @@ def save_checkpoint(
     tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
     try:
         save_tensors(draft_state, tmp / "draft.safetensors")
         (tmp / "draft.yaml").write_text(draft_cfg_yaml)
@@ -147,19 +148,24 @@ def save_checkpoint(
             _fsync_file(f)
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. after resume): swap, never half-replace
-            old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
             os.rename(final, old)
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException:  # Ctrl-C between the two renames: put the old step back
+        if old.exists() and not final.exists():
+            os.rename(old, final)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_last > 0:
         for stale in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(stale, ignore_errors=True)
+            # Out of the checkpoints first: a deletion cut short leaves a .tmp-* directory
+            # (clean_partial removes it), never a step_* directory with files missing.
+            doomed = root / f"{TMP_PREFIX}pruned-{stale.name}-{os.getpid()}"
+            os.rename(stale, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 

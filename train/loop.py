@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,8 +48,9 @@ from train.identity import Resumed, check_resume, run_identity
 from train.machine import choose_autocast, set_target_dtype, share_threads
 from train.replay import Replay
 from train.report.tracking import RunLog, finish_tracking, init_tracking, tracker
+from train.run_files import check_run_dir, clear_run, save_hydra_record, write_atomic
 from train.schedule import global_rows, lr_lambda, rank_chunks, schedule_settings
-from train.settings import check_settings
+from train.settings import check_decode_context, check_settings
 from train.step import StepResult, StepSetup, TrainingDiverged, train_step
 from train.step_stats import StepWindow, proxy_tags
 
@@ -234,7 +234,7 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
         "final_eval": last_eval or None,
         "tau_curve": [[e["step"], e.get("tau")] for e in records.evals],
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     if records.evals:
         print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
         print(format_eval_table(records.evals), flush=True)
@@ -259,12 +259,8 @@ def train_run(cfg: DictConfig) -> dict:
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes  # fmt: skip
     run_dir, tc = Path(cfg.run_dir), cfg.train
     resume_from = resume_checkpoint(run_dir, bool(cfg.resume), bool(cfg.overwrite))
+    check_run_dir(run_dir, bool(cfg.resume), bool(cfg.overwrite))  # no mixed records
     accelerator.wait_for_everyone()
-    if main and cfg.overwrite and resume_from is None:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        for path in [run_dir / "metrics.jsonl", run_dir / "summary.json",
-                     *run_dir.glob("config.resume-*.yaml")]:  # fmt: skip
-            path.unlink(missing_ok=True)
     set_seed(cfg.seed)
 
     # -- target, data, draft, optimizer ---------------------------------------------
@@ -281,6 +277,8 @@ def train_run(cfg: DictConfig) -> dict:
         check_init_from(cfg.draft, target)
     with accelerator.main_process_first():  # rank 0 fills the regeneration cache
         prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
+    if tc.eval_at_ckpt:  # the evaluation's prompts + new tokens fit the context window
+        check_decode_context(target, cfg.decode, prepared.eval_prompts)
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
     pad_id = target.tokenizer.pad_token_id
     saved_dtype = resumed.target_dtype if resumed else None
@@ -319,11 +317,14 @@ def train_run(cfg: DictConfig) -> dict:
     core = accelerator.unwrap_model(draft)
     params = [p for p in draft.parameters() if p.requires_grad]  # the prepared ones: clipped
 
-    # -- records ----------------------------------------------------------------------
+    # -- records: the run directory is created (or, with overwrite, cleared) only now ----
     if main:  # each segment keeps its own config: config.yaml, config.resume-<step>.yaml
+        if cfg.overwrite and resume_from is None:
+            clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         segment = "config.yaml" if resumed is None else f"config.resume-{start_step:08d}.yaml"
-        (run_dir / segment).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_atomic(run_dir / segment, OmegaConf.to_yaml(cfg, resolve=True))
+        save_hydra_record(run_dir, cfg)
     log = RunLog(run_dir, accelerator, start_step if resume_from is not None else None)
     init_tracking(accelerator, cfg, run_dir)
     records = RunRecords.resumed(

@@ -1,6 +1,8 @@
 """Start-up checks of a training config: `check_settings(cfg)` runs first in train.loop.run,
 before the target is loaded, so a bad decode / evaluation / replay / loop setting fails in
-seconds instead of at the first evaluation or rollout, hours into a run.
+seconds instead of at the first evaluation or rollout, hours into a run. What needs the target
+or the data (the context window: `check_decode_context`) runs once they are loaded, before
+any training.
 
 The checks are those of the code that uses each setting (decoding.verify.check_sampling,
 decoding.tree.TreeSpec, train.replay.Replay, models.dtypes.resolve_dtype, the loss table,
@@ -17,9 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.compiled import resolve_mode
 from decoding.drafter import Sampling
 from decoding.drafters import drafter_class
+from decoding.rounds import check_context
 from decoding.tree import TreeSpec
 from decoding.verify import check_sampling
 from models.dtypes import resolve_dtype
+from models.target import Target
+from train.data.sources import check_source
+from train.formats.init_from import detect_format
 from train.losses import LossSpec
 from train.replay import Replay
 
@@ -183,8 +189,37 @@ def check_replay(replay: DictConfig) -> None:
             raise ValueError(f"replay.{key} must be >= 0, got {args[key]}")
 
 
+def check_decode_context(target: Target, dec: DictConfig, eval_prompts: list[dict]) -> None:
+    """After the target and the data are loaded, before any training: the longest prompt the
+    evaluation decodes plus decode.max_new_tokens must fit the target's context window."""
+    prompts = eval_prompts[: dec.get("num_prompts") or len(eval_prompts)]
+    if not prompts:
+        return
+    longest, new = max(len(p["input_ids"]) for p in prompts), int(dec.max_new_tokens)
+    room = (target.context_length or 0) - longest
+    check_context(
+        target, longest, new, "decode.max_new_tokens after the longest eval prompt",
+        f"set decode.max_new_tokens<={room}" if room >= 1 else "shorten the eval prompts",
+    )  # fmt: skip
+
+
+def check_unset(cfg: DictConfig) -> None:
+    """A mandatory value left at ??? (target=hf's target.path, data=local's data.source)."""
+    unset = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra."))
+    if unset:
+        raise ValueError(
+            f"{', '.join(unset)} must be set: pass "
+            f"{' '.join(f'{k}=...' for k in unset)} (e.g. target.path=DIR_OR_HUB_ID, "
+            "data.source=FILE.jsonl)"
+        )
+
+
 def check_settings(cfg: DictConfig) -> None:
     """Raise a ValueError naming the first bad setting and what it must be."""
+    check_unset(cfg)
+    check_source(cfg.data.source)  # a missing or empty file, before the target loads
+    if cfg.draft.get("init_from") and not cfg.resume:  # a path that holds no draft we read
+        detect_format(cfg.draft.init_from)
     check_train(cfg.train)
     check_loss_and_optim(cfg)
     check_decode(cfg.decode)

@@ -9,36 +9,26 @@ prompts alike, with the assistant-only loss mask (train/data/chat.py).
 Sources: "embedded" (train/data/corpus.py: HumanEval, Shakespeare, CPython stdlib; no network),
 a local .json/.jsonl/.parquet file, or a local directory / hub dataset name (both go
 through `datasets.load_dataset(source, split=...)`), in ShareGPT (`conversations` with
-from/value) or OpenAI (`messages` with role/content) form.
+from/value) or OpenAI (`messages` with role/content) form (train/data/sources.py).
 """
 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import datasets
 import torch
 from torch import Tensor
 
+from decoding.rounds import check_context
 from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.target import Target
 from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
 from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
 from train.data.raw_chunks import raw_chunk_conversations
 from train.data.regenerate import regenerate as regenerate_responses
-
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "system": "system",
-}
+from train.data.sources import load_conversations
 
 
 @dataclass
@@ -47,76 +37,6 @@ class PreparedData:
     eval_prompts: list[dict]  # category, messages, input_ids, group
     token_counts: Tensor  # [V] counts of trained label tokens
     stats: dict
-
-
-# ---------------------------------------------------------------------------------
-# Local files and hub datasets
-# ---------------------------------------------------------------------------------
-
-
-def _messages(row: dict, source: str) -> list[dict]:
-    if row.get("messages") is not None:
-        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-    if row.get("conversations") is not None:
-        out = []
-        for m in row["conversations"]:
-            role = m.get("from", m.get("role"))
-            if role not in SHAREGPT_ROLES:
-                raise ValueError(
-                    f"{source}: unknown ShareGPT role {role!r}; expected one of "
-                    f"{sorted(SHAREGPT_ROLES)}"
-                )
-            out.append({"role": SHAREGPT_ROLES[role], "content": m.get("value", m.get("content"))})
-        return out
-    raise ValueError(
-        f"{source}: rows need a `messages` column (OpenAI form: role/content) or a "
-        f"`conversations` column (ShareGPT form: from/value); found {sorted(row)}"
-    )
-
-
-def _guess_category(text: str) -> str:
-    if "```" in text or re.search(r"\bdef |\bimport |\bfunction\b|\bclass \w+", text):
-        return "code"
-    return "qa" if text.rstrip().endswith("?") else "prose"
-
-
-def load_conversations(source: str, split: str = "train") -> list[dict]:
-    """Rows of a local json/jsonl/parquet file, a local dataset directory or a hub dataset."""
-    path = Path(source).expanduser()
-    builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-    if path.is_file():
-        if path.suffix not in builders:
-            raise ValueError(
-                f"data.source={source!r}: unsupported file type {path.suffix!r}; "
-                f"use one of {sorted(builders)} or a dataset directory"
-            )
-        ds = datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
-    else:
-        if source.startswith((".", "/", "~")) and not path.exists():
-            raise FileNotFoundError(
-                f"data.source={source!r} does not exist; give a .json/.jsonl/"
-                ".parquet file, a dataset directory, a hub name or 'embedded'"
-            )
-        try:  # a local dataset directory and a hub name take the same path
-            ds = datasets.load_dataset(str(path) if path.exists() else source, split=split)
-        except (OSError, ValueError) as err:
-            raise FileNotFoundError(
-                f"data.source={source!r} (split {split!r}) could not be loaded: {err}. A hub "
-                "dataset needs network access or a populated HF cache; otherwise give a local "
-                ".json/.jsonl/.parquet file or directory, or data=default for the embedded corpus"
-            ) from err
-    rows = []
-    for i, row in enumerate(ds):
-        messages = _messages(row, source)
-        first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
-        rows.append(
-            {
-                "messages": messages,
-                "group": f"row:{i}",
-                "category": row.get("category") or _guess_category(first_user),
-            }
-        )
-    return rows
 
 
 # ---------------------------------------------------------------------------------
@@ -195,6 +115,13 @@ def prepare_data(
         template = resolve_chat_template(tok, chat_template)
     except ValueError as err:
         raise ValueError(f"target {target.name!r}: {err}") from None
+    window = target.context_length
+    if window is not None and max_len > window:
+        raise ValueError(
+            f"data.max_len={max_len} tokens per training row is beyond the context window of "
+            f"target {target.name!r} ({window} positions, config.max_position_embeddings); set "
+            f"data.max_len<={window}"
+        )
     max_prompt = max_len // 2  # leave at least half of max_len for the answer
 
     # Every token id the target stops on (e.g. <|eot_id|> besides <|end_of_text|>).
@@ -280,6 +207,12 @@ def prepare_data(
         it["stream"] = "regen" if regenerate else "source"
 
     if regenerate and items:
+        longest = max(len(it["ids"]) for it in items)
+        check_context(
+            target, longest, max_new_tokens, "regeneration (the longest training prompt)",
+            f"set data.max_new_tokens<={window - longest if window else max_new_tokens}, or a "
+            "smaller data.max_len (prompts over data.max_len/2 are dropped)",
+        )  # fmt: skip
         choice = regen_dtype_choice(
             target, regen_dtype, items, regen_batch_size, max_new_tokens, cache_dir
         )
@@ -372,9 +305,15 @@ def prepare_data(
         columns["group"].append(it["group"])
         columns["stream"].append(it["stream"])
     if not columns["input_ids"]:
+        lost = ", ".join(
+            f"{k} {v}" for k, v in stats.items() if v and (k.startswith("skipped") or k in (
+                "truncated", "dropped_eval_duplicates", "source_rows"))
+        )  # fmt: skip
         raise ValueError(
-            f"data.source={source!r} produced no training rows ({stats}); check the "
-            "source has conversations with assistant turns, or raise data.max_len"
+            f"data.source={source!r} gives no training rows ({lost}; {len(eval_convs)} held "
+            f"out as eval prompts, data.num_eval={num_eval}): it needs conversations with an "
+            "assistant answer beyond the eval prompts; add rows, lower data.num_eval, or raise "
+            "data.max_len"
         )
 
     # Trained labels, input_ids[t+1] where loss_mask[t], of all rows: one bincount.

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
+from train.run_files import write_atomic
 
 
 def default_cache_root() -> Path:
@@ -147,7 +148,7 @@ def regenerate(
     shard_dir = root / "data" / "regen" / _sha(settings)
     _adopt_legacy(root / "data" / "regen", settings, shard_dir)
     shard_dir.mkdir(parents=True, exist_ok=True)
-    (shard_dir / "settings.json").write_text(json.dumps(settings, indent=1))
+    write_atomic(shard_dir / "settings.json", json.dumps(settings, indent=1))
     shard = shard_dir / "responses.jsonl"
 
     keys = [_sha(p) for p in prompts]

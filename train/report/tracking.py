@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from train.report.runs import eval_tags, flatten
+from train.run_files import write_atomic
 
 
 def setup_wandb_env() -> None:
@@ -140,7 +141,8 @@ class RunLog:
         if self.main and resumed_at is not None and self.path.exists():
             records = [json.loads(ln) for ln in self.path.read_text().splitlines() if ln]
             self.earlier = [r for r in records if r["step"] <= resumed_at]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.earlier))
+            # atomic: Ctrl-C here must not lose the records the run is resumed with
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.earlier))
 
     def write(self, record: dict) -> None:
         if not self.main:
