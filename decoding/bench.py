@@ -145,7 +145,7 @@ def ours_method(
 ) -> Method:
     def fn(ids, i):
         g = torch.Generator(device=target.device).manual_seed(seed + i)
-        graphs = STATS.graphs
+        graphs = STATS.graphs + STATS.cudagraphs
         r = generate(target, ids, drafter, k=k, sampling=sampling, max_new_tokens=max_new,
                      generator=g, tree=tree)  # fmt: skip
         seq = r.sequences[0]
@@ -157,7 +157,8 @@ def ours_method(
             loop_s=r.verify_s + r.draft_s + r.overhead_s,  # the rounds: prefills left out
             total_s=r.total_s, draft_s=r.draft_s, overhead_s=r.overhead_s,
             tree_nodes=sum(n for n, d in zip(r.tree_sizes, r.draft_lens) if d > 0),
-            graphs=STATS.graphs - graphs,  # compiled during this call (compiled rows)
+            # graphs compiled or CUDA graphs recorded during this call (compiled rows)
+            graphs=STATS.graphs + STATS.cudagraphs - graphs,
         )  # fmt: skip
 
     return fn
@@ -210,9 +211,12 @@ def build_compiled(
     compiled: dict[str, CompiledTarget] = {}
     for shape in layers:
         graphs, seconds = STATS.graphs, STATS.seconds
+        tree = trees.get(shape)
+        levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
         compiled[shape] = CompiledTarget(
-            target, max_len + widths[shape][-1], widths[shape], sorted(layers[shape]), mode
-        )
+            target, max_len + widths[shape][-1], widths[shape], sorted(layers[shape]), mode,
+            draft_widths=levels,
+        )  # fmt: skip
         compiled[shape].warmup()
         name = f"target {shape} widths {widths[shape]}"
         out.compile_s[name], out.graphs[name] = STATS.seconds - seconds, STATS.graphs - graphs

@@ -16,10 +16,16 @@ This path removes it without touching the loops of decoding/spec.py and decoding
     same way: `CachedStep` runs a step over a drafter's static cache, compiled at the fixed
     widths the drafter pads to, eagerly beyond them (their prefill).
   - `Compiled` is torch.compile with fixed shapes and full graphs, through one backend that
-    counts the graphs it compiles and the seconds the compiling calls took (`STATS`), so
-    compile time is reported apart from decoding time and a recompile shows up as a count.
-    CUDA: CUDA graphs (mode reduce-overhead). CPU: inductor with the target's weights frozen
-    into the graph (constant-folded, packed for the CPU matmul library).
+    counts the graphs it compiles, the CUDA graphs it records and the seconds the calls that
+    did either took (`STATS`), so compile time is reported apart from decoding time and a
+    recompile or a new recording shows up as a count. CUDA: CUDA graphs (mode
+    reduce-overhead), recorded on a graph's SECOND call (the first runs it eagerly), so every
+    warm-up calls each width twice. CPU: inductor with the target's weights frozen into the
+    graph (constant-folded, packed for the CPU matmul library).
+  - Every shape decoding will use is compiled (and recorded) by the warm-ups, none inside a
+    timed decode: the target's widths, a drafter's (EAGLE-2 tree levels: `draft_widths`),
+    and one mask shape for every batch (a left-padded batch's per-row masks and positions
+    are the shape an unpadded batch's are expanded to).
 
 Modes (`decode.compile_mode`): `auto` (reduce-overhead on CUDA, max-autotune-no-cudagraphs
 on CPU), torch.compile's `default`, `reduce-overhead`, `max-autotune`,
@@ -59,10 +65,24 @@ DRAFT_EXTRA_SLOTS = 256
 @dataclass
 class CompileStats:
     graphs: int = 0  # graphs compiled so far (a recompile adds one)
-    seconds: float = 0.0  # wall time of the calls that compiled: tracing + compiling + that run
+    cudagraphs: int = 0  # CUDA graphs recorded so far (a graph's second call records it)
+    seconds: float = 0.0  # wall time of the calls that compiled or recorded, those runs included
 
 
 STATS = CompileStats()
+
+
+@cache
+def _count_recordings() -> None:
+    """Count every CUDA-graph recording in STATS (torch announces each to dynamo's callbacks;
+    registered once, when the first `Compiled` is built)."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    def count(args) -> None:
+        if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+            STATS.cudagraphs += 1
+
+    callback_handler.register_start_callback(count)
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -111,6 +131,7 @@ class Compiled:
         dynamo = torch._dynamo.config
         limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
         setattr(dynamo, limit, max(getattr(dynamo, limit), 64))
+        _count_recordings()
         self.freeze = freeze and mode != "aot_eager"
         self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
         self.fn = torch.compile(
@@ -119,7 +140,7 @@ class Compiled:
 
     def __call__(self, *args):
         args = tuple(dense(a) if isinstance(a, Tensor) else a for a in args)
-        graphs, t0 = STATS.graphs, time.perf_counter()
+        before, t0 = (STATS.graphs, STATS.cudagraphs), time.perf_counter()
         if self.cudagraphs:  # a new replay: outputs of the previous one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         if self.freeze:  # dynamo reads the flag when it traces: weights become constants
@@ -129,9 +150,14 @@ class Compiled:
             out = self.fn(*args)
         if self.cudagraphs:  # CUDA-graph outputs live in memory the next replay reuses
             out = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, out)
-        if STATS.graphs != graphs:
+        if (STATS.graphs, STATS.cudagraphs) != before:
             STATS.seconds += time.perf_counter() - t0
         return out
+
+    @property
+    def warm_calls(self) -> int:
+        """Calls per shape that leave nothing to compile or record: 2 with CUDA graphs."""
+        return 2 if self.cudagraphs else 1
 
 
 def dense(x: Tensor) -> Tensor:
@@ -176,16 +202,19 @@ class CachedStep:
 
     @torch.inference_mode()
     def warmup(self, args_for: Callable[[int], tuple]) -> None:
-        """Compile every width now, on dummy inputs `args_for(width)`, so that no decoding
-        round pays for it (a width may first be needed late: a catch-up after the first
-        accepted draft). The eager first call allocates the cache."""
+        """Compile (and with CUDA graphs record) every width now, on dummy inputs
+        `args_for(width)`, so that no decoding round pays for it (a width may first be needed
+        late: a catch-up after the first accepted draft). The eager first call allocates the
+        cache."""
         widest = self.widths[-1]
         self.cache.reset()
         self.cache.reserve(widest)
         self.fn(*args_for(widest))
+        calls = self.compiled.warm_calls if isinstance(self.compiled, Compiled) else 1
         for width in self.widths:
-            self.cache.reset()
-            self(width, *args_for(width))
+            for _ in range(calls):
+                self.cache.reset()
+                self(width, *args_for(width))
         self.cache.reset()
 
 
@@ -202,6 +231,8 @@ class CompiledTarget:
     mode: a `MODES` entry, or None: the static cache and padding without compiling.
     freeze: inductor freezing of the target's weights (None: on CPU, where it packs them
         for the matmul library; the weights must then never change).
+    draft_widths: widths the drafters' own compiled steps need beyond 1 and the widest
+        forward (an EAGLE-2 tree level: the tree's top_k), compiled by their warm-ups.
     """
 
     def __init__(
@@ -213,10 +244,12 @@ class CompiledTarget:
         mode: str | None = "auto",
         freeze: bool | None = None,
         batch_size: int = 1,
+        draft_widths: Iterable[int] = (),
     ):
         self.target = target
         self.max_len = max_len
         self.widths = tuple(sorted({int(w) for w in widths}))
+        self.draft_widths = tuple(sorted({int(w) for w in draft_widths}))
         if not self.widths or self.widths[0] < 1:
             raise ValueError(f"widths must be token counts >= 1, got {self.widths}")
         self.hidden_layers = tuple(dict.fromkeys((*hidden_layers, -1)))
@@ -266,10 +299,11 @@ class CompiledTarget:
         past: int,
         width: int,
     ) -> Tensor | dict[str, Tensor]:
-        """The additive mask over all max_len slots, [B|1, 1, width, max_len]: the mask an
+        """The additive mask over all max_len slots, [B, 1, width, max_len]: the mask an
         eager forward over a DynamicCache would use (causal minus left padding, or the
         tree's), per layer type for sliding windows (Target._layer_masks), then the slots
-        past the sequence and the padding rows blocked."""
+        past the sequence and the padding rows blocked. One row per sequence even when the
+        rows share it: a padded batch's graph is then the unpadded one's."""
         B, T = position_ids.shape
         device, dtype = position_ids.device, self.target.dtype
         if attention_mask is not None and attention_mask.dim() == 4:
@@ -296,7 +330,8 @@ class CompiledTarget:
 
         def pad(m: Tensor) -> Tensor:
             blocked = torch.finfo(dtype).min
-            return F.pad(m, (0, self.max_len - m.shape[-1], 0, width - T), value=blocked)
+            m = F.pad(m, (0, self.max_len - m.shape[-1], 0, width - T), value=blocked)
+            return m.expand(self.cache.batch_size, -1, -1, -1)
 
         return {k: pad(m) for k, m in masks.items()} if isinstance(masks, dict) else pad(masks)
 
@@ -353,16 +388,18 @@ class CompiledTarget:
 
     @torch.inference_mode()
     def warmup(self) -> float:
-        """Compile every width now (a dummy sequence), so no decode pays for it; returns the
-        seconds it took."""
+        """Compile (and with CUDA graphs record) every width now, on a dummy sequence, so no
+        decode pays for it; returns the seconds it took."""
         t0 = time.perf_counter()
         device = self.target.device
         ids = torch.zeros(self.cache.batch_size, 1, dtype=torch.long, device=device)
         out = self.forward(ids, hidden_layers=self.hidden_layers)
+        calls = self.step.warm_calls if isinstance(self.step, Compiled) else 1
         for w in self.widths:
             tokens = torch.zeros(self.cache.batch_size, w, dtype=torch.long, device=device)
-            self.forward(tokens, cache=out.cache, hidden_layers=self.hidden_layers)
-            out.cache.truncate(1)
+            for _ in range(calls):
+                self.forward(tokens, cache=out.cache, hidden_layers=self.hidden_layers)
+                out.cache.truncate(1)
         out.cache.reset()
         sync(device)
         return time.perf_counter() - t0

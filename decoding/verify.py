@@ -275,7 +275,7 @@ def tree_rejection_verify(
     accept_prob = torch.full((B, N), float("nan"), dtype=p.dtype, device=p.device)
     children_rows = parents.tolist()
     tokens_rows = tokens.tolist()
-    node = torch.full((B,), -1, dtype=torch.long)
+    node_rows = []  # per row: the accepted node, -1 = the root
     next_dist = torch.empty(B, V, dtype=p.dtype, device=p.device)
     for b in range(B):
         children: dict[int, list[int]] = {}
@@ -294,9 +294,9 @@ def tree_rejection_verify(
                 r = residual_distribution(r, q_c)
             else:  # every child rejected (r is the residual), or a leaf (r = p there: bonus)
                 break
-        node[b] = cur
+        node_rows.append(cur)
         next_dist[b] = r
-    node = node.to(p.device)
+    node = torch.tensor(node_rows, dtype=torch.long, device=p.device)
     depth = node_depths(parents)
     num_accepted = torch.where(
         node >= 0, depth.gather(1, node.clamp_min(0)[:, None])[:, 0] if N else node, 0

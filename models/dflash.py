@@ -100,19 +100,21 @@ class BlockAttention(nn.Module):
 
     def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Context [B, C, H] (fused target features) at rotary cos/sin [B|1, C, D] -> keys and
-        values [B, kv, C, D]."""
+        values [B, h, C, D], kv heads repeated once here (a drafter caches them as they are)."""
         B, C, _ = ctx.shape
         k = self.k_proj(ctx).view(B, C, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(ctx).view(B, C, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _rope(k, cos[:, None], sin[:, None]), v
+        group = self.num_heads // self.num_kv_heads
+        k = _rope(k, cos[:, None], sin[:, None])
+        return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
     def forward(
         self,
         x: Tensor,  # [B, N, P, H] the block's normed hidden
         cos: Tensor,  # [B, N, P, D]
         sin: Tensor,  # [B, N, P, D]
-        ctx_k: Tensor,  # [B, kv, C, D]
-        ctx_v: Tensor,  # [B, kv, C, D]
+        ctx_k: Tensor,  # [B, h, C, D] (context_kv)
+        ctx_v: Tensor,  # [B, h, C, D]
         ctx_mask: Tensor,  # [B, N, C] bool: the context entries each block sees
     ) -> Tensor:
         B, N, P, _ = x.shape
@@ -126,7 +128,6 @@ class BlockAttention(nn.Module):
         v = heads(self.v_proj, kv)
         group = h // kv
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, h, N, P, D]
-        ctx_k, ctx_v = ctx_k.repeat_interleave(group, 1), ctx_v.repeat_interleave(group, 1)
         scale = D**-0.5
         s_ctx = torch.einsum("bhnpd,bhcd->bhnpc", q, ctx_k) * scale  # [B, h, N, P, C]
         s_ctx = s_ctx.masked_fill(~ctx_mask[:, None, :, None, :], float("-inf"))
@@ -233,7 +234,7 @@ class DFlashDraft(nn.Module):
 
     def context_kv(self, ctx: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Context [B, L, H] at positions [B|1, L] -> every layer's keys and values
-        [B, kv, L, D]: what a block reads of the sequence."""
+        [B, h, L, D]: what a block reads of the sequence."""
         cos, sin = self.rotary(ctx, positions)  # [B|1, L, D]
         return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
 
@@ -241,7 +242,7 @@ class DFlashDraft(nn.Module):
         self,
         anchor_embeds: Tensor,  # [B, N, H] embedding of each block's anchor token
         anchor_positions: Tensor,  # [B, N] long: the anchor's position a
-        kv: list[tuple[Tensor, Tensor]],  # context_kv(...): [B, kv, C, D] per layer
+        kv: list[tuple[Tensor, Tensor]],  # context_kv(...): [B, h, C, D] per layer
         ctx_mask: Tensor,  # [B, N, C] bool: the context entries each block sees (j < a)
     ) -> Tensor:
         """N blocks per row in one pass -> their normed hidden [B, N, block_size, H];
@@ -412,7 +413,8 @@ def init_from_target(draft: DFlashDraft, target: Target, token_counts: Tensor | 
         vocab.build(draft, token_counts, target.eos_token_ids)
     with torch.no_grad():
         draft.norm.weight.copy_(target.final_norm_weight)
-        std = target.embed_tokens.weight.float().std()
+        # A number: a GPU scalar times a CPU randn raises; drawn on the CPU on every device.
+        std = float(target.embed_tokens.weight.float().std())
         draft.mask_embedding.copy_(torch.randn(draft.mask_embedding.shape) * std)
 
 

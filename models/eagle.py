@@ -192,14 +192,24 @@ class EagleDraft(nn.Module):
         else:
             self.fc = nn.Linear(2 * H, H, bias=False)  # over [embedding, feature]
         self.layers = nn.ModuleList([EagleLayer(self.config, style)])
-        # Kept out of the module tree on purpose: `.to(bfloat16)` would round inv_freq and
-        # shift every rotary angle; the rotary module casts inv_freq per call anyway.
-        self.__dict__["rotary"] = LlamaRotaryEmbedding(self.config)
+        # In the module tree, so `.to(device)` moves inv_freq with the draft (kept outside, it
+        # stayed on the CPU: a host copy per draft step on a GPU). Non-persistent buffers:
+        # state dicts and exports do not see them. Kept float32 under any cast (`_apply`).
+        self.rotary = LlamaRotaryEmbedding(self.config)
         self.lm_head = nn.Linear(H, self.draft_vocab_size, bias=False) if train_head else None
         # d2t / t2d, vocab_ready, vocab_coverage (models/vocab.py)
         vocab.attach(
             self, "offsets", draft_vocab_size if self.reduced_vocab else None, target_vocab_size
         )
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves the rotary frequencies; `.to(bfloat16)` leaves them float32 (a
+        bf16 inv_freq moves every rotary angle: models.dtypes.cast_keep_rotary)."""
+        rotary = dict(self.rotary.named_buffers())
+        super()._apply(fn, recurse)
+        for name, buf in rotary.items():  # the float32 values, on the device fn moved to
+            setattr(self.rotary, name, buf.to(getattr(self.rotary, name).device))
+        return self
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         old = sorted({key.split(".")[0] for key in state_dict} & set(PRE_SERVED_KEYS))

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 import decoding.metrics
-from decoding.compiled import STATS, CompiledTarget
+from decoding.compiled import STATS, CachedStep, Compiled, CompiledTarget
 from decoding.drafters import make_drafter
 from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.ngram import NgramDrafter
@@ -22,6 +22,7 @@ from decoding.spec import generate
 from decoding.tree import TreeSpec, compact_cache, tree_attention_mask
 from decoding.verify import node_depths
 from models import dflash, draft_lm, eagle, medusa, mtp
+from models.static_cache import StaticKVCache
 from models.target import Target
 from tests.helpers import (
     N_SINGLE,
@@ -195,6 +196,71 @@ def test_drafters_compiled_equal_eager(target, kind):
         assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled after warm-up"
 
 
+@pytest.mark.parametrize(
+    "kind, adaptive",
+    [("eagle_tree", False), ("perfect", True), ("mtp", False), ("medusa_tree", False)],
+)
+def test_the_warmups_compile_every_shape_decoding_uses(target, kind, adaptive):
+    """Built as evaluation builds them (train/evaluate.py: compiled_decoding), the compiled
+    target and drafter compile every shape before the first decode, none inside it: the
+    EAGLE-2 tree levels (top_k wide), adaptive k's widths and a left-padded batch (its
+    per-row masks and positions) included. With CUDA graphs, each of those shapes would
+    otherwise also be recorded inside the timed decoding. ("perfect": a draft LM that is the
+    target, so that adaptive k grows to 2k.)"""
+    if kind == "perfect":
+        draft, tree = draft_lm.from_target(target, num_layers=2, init="target"), None
+    else:
+        draft, tree = draft_for(kind, target)
+    k = 3
+    widths = (1, tree.size + 1) if tree is not None else (1, k + 1, 2 * k + 1)
+    levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
+    compiled = CompiledTarget(
+        target, 96, widths, make_drafter(draft, target).hidden_layers, "aot_eager",
+        batch_size=2, draft_widths=levels,
+    )  # fmt: skip
+    compiled.warmup()
+    drafter = make_drafter(draft, compiled)
+    graphs = STATS.graphs
+    ids, mask = left_pad(prompts(2, seed=9), 0, "cpu")
+    r = generate(compiled, ids, drafter, k=k, max_new_tokens=24, attention_mask=mask, tree=tree,
+                 adaptive_k=adaptive, eos_token_ids=[])  # fmt: skip
+    assert not adaptive or max(r.draft_lens) > k  # adaptive k went past k
+    assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled while decoding"
+
+
+def test_warmups_call_every_width_twice_with_cuda_graphs(target):
+    """CUDA graphs record on a graph's second call, so with them every warm-up calls each
+    width twice (the target's and a drafter step's); without them once."""
+    for cudagraphs, calls in ((False, 1), (True, 2)):
+        compiled = CompiledTarget(target, 64, (1, 4), mode="aot_eager")
+        compiled.step.cudagraphs = cudagraphs  # as reduce-overhead sets it
+        seen, fn = [], compiled.step.fn
+        compiled.step.fn = lambda *a, fn=fn, seen=seen: seen.append(a[0].shape[1]) or fn(*a)
+        compiled.warmup()
+        assert sorted(seen) == [1] * calls + [4] * calls
+        step = CachedStep(lambda x: x * 2, StaticKVCache(1, 1, 16, "cpu"), (1, 3), "aot_eager")
+        step.compiled.cudagraphs = cudagraphs
+        seen, fn = [], step.compiled.fn
+        step.compiled.fn = lambda *a, fn=fn, seen=seen: seen.append(a[0].shape[1]) or fn(*a)
+        step.warmup(lambda w: (torch.zeros(1, w),))
+        assert sorted(seen) == [1] * calls + [3] * calls
+
+
+def test_cuda_graph_recordings_are_counted():
+    """STATS counts CUDA-graph recordings (torch announces each to dynamo's callbacks) beside
+    the compiled graphs; other compile events do not count as recordings."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    Compiled(lambda x: x + 1, "aot_eager")  # the first Compiled registers the counter
+    recorded = STATS.cudagraphs
+    with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0"):
+        pass
+    assert STATS.cudagraphs == recorded + 1
+    with callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "0"):
+        pass
+    assert STATS.cudagraphs == recorded + 1
+
+
 def eval_cfg(**decode) -> OmegaConf:
     """conf/decode/chain.yaml with small compiled-evaluation settings; `decode` overrides any."""
     dec = OmegaConf.load("conf/decode/chain.yaml")
@@ -264,24 +330,25 @@ def test_a_forward_wider_than_the_widths_raises(target):
 def test_cuda_graphs_equal_eager():
     """CUDA (scripts/gpu_check.sh): the `auto` mode there, reduce-overhead (inductor + CUDA
     graphs replayed over the static cache), decodes what the eager loop decodes, AR and with
-    an EAGLE drafter, chain and dynamic tree, in fp32; after the warm-up prompt no graph is
-    compiled (a new graph would also mean a new CUDA-graph recording)."""
+    an EAGLE drafter, chain and dynamic tree, in fp32; once the compiled target and the
+    drafter are built (their warm-ups), no graph is compiled and no CUDA graph recorded."""
     target = untied_target(device="cuda")
     eagle_draft, tree = draft_for("eagle_tree", target)
     eagle_draft = eagle_draft.to("cuda")
     k = 3
     for spec in (None, tree):
         widths = (1, k + 1) if spec is None else (1, spec.size + 1)
-        compiled = CompiledTarget(target, 96, widths, eagle_draft.hidden_layers, "auto")
+        levels = (spec.top_k,) if spec is not None else ()
+        compiled = CompiledTarget(target, 96, widths, eagle_draft.hidden_layers, "auto",
+                                  draft_widths=levels)  # fmt: skip
         assert compiled.mode == "reduce-overhead"
         compiled.warmup()
         drafters = {"eager": make_drafter(eagle_draft, target)}
         drafters["compiled"] = make_drafter(eagle_draft, compiled)
-        graphs = None
-        for i, ids in enumerate(prompts(3, seed=12)):
+        graphs, recorded = STATS.graphs, STATS.cudagraphs
+        assert recorded > 0  # the warm-ups recorded every width
+        for ids in prompts(3, seed=12):
             ids = ids.to("cuda")
-            if i == 1:  # the first prompt was the warm-up
-                graphs = STATS.graphs
             kw = dict(k=k, max_new_tokens=20, eos_token_ids=[])
             eager = generate(target, ids, None, **kw)
             assert record(generate(compiled, ids, None, **kw)) == record(eager)
@@ -289,6 +356,7 @@ def test_cuda_graphs_equal_eager():
             compiled_run = generate(compiled, ids, drafters["compiled"], tree=spec, **kw)
             assert record(compiled_run) == record(eager)
         assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled after warm-up"
+        assert STATS.cudagraphs == recorded, f"{STATS.cudagraphs - recorded} CUDA graphs recorded"
 
 
 def test_compiled_sampling_follows_the_target_distribution():

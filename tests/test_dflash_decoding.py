@@ -167,3 +167,67 @@ def test_sampling_matches_target_distribution(target, close_drafts, kind, vocab)
         accepts.append(out.accept_counts[0])
     assert {0, 1, 2} <= set(accepts), set(accepts)  # every acceptance path was exercised
     assert g_test(samples, table) > P_THRESHOLD
+
+
+# -- the context cache -----------------------------------------------------------------------
+def recomputing(drafter):
+    """The same drafter without a cache across rounds: before every block forward it drops
+    its context keys and values and computes them anew from all the context it was given
+    (the prefill's and every commit's)."""
+    seen, prefill, commit, block = [], drafter.prefill, drafter.commit, drafter._block
+
+    def prefill_(input_ids, target_out, attention_mask=None):
+        prefill(input_ids, target_out, attention_mask)
+        seen[:] = [drafter.pending]
+
+    def commit_(num_accepted, emitted, target_out):
+        commit(num_accepted, emitted, target_out)
+        seen.append(drafter.pending)
+
+    def block_(last_tokens, call):
+        drafter.kv, drafter.length, drafter.pending = None, 0, torch.cat(seen, 1)
+        return block(last_tokens, call)
+
+    drafter.prefill, drafter.commit, drafter._block = prefill_, commit_, block_
+    return drafter
+
+
+def proposals(drafter) -> list:
+    """Records what every propose returns: (tokens, q)."""
+    out, propose = [], drafter.propose
+
+    def propose_(*args, **kwargs):
+        out.append(propose(*args, **kwargs))
+        return out[-1]
+
+    drafter.propose = propose_
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_cached_context_drafts_what_recomputing_it_drafts(target, kind):
+    """The drafter writes each verified position's context keys and values once into buffers
+    that double when full (no per-round concatenation of the whole context): over a long
+    generation (~300 cached positions, several doublings) its proposals equal those of a
+    drafter that recomputes the whole context every round, greedy, sampled and as trees: the
+    same tokens, and q within float32 rounding (a projection over the whole context and one
+    over the new rows may round the same row differently)."""
+    draft = build(target, kind, correction=True)
+    ids = prompt_ids(target, "write a poem about the sea")
+    tree = TreeSpec(kind="dynamic", depth=3, top_k=2, num_nodes=5)
+    cases = ((Sampling(), None), (Sampling(temperature=1.0), None), (Sampling(), tree))
+    for sampling, shape in cases:
+        cached, fresh = make_drafter(draft, target), recomputing(make_drafter(draft, target))
+        logs = proposals(cached), proposals(fresh)
+        runs = [
+            generate(target, ids, d, k=4, sampling=sampling, tree=shape, max_new_tokens=280,
+                     eos_token_ids=[], generator=torch.Generator().manual_seed(5))
+            for d in (cached, fresh)
+        ]  # fmt: skip
+        assert runs[0].sequences == runs[1].sequences
+        assert runs[0].accept_counts == runs[1].accept_counts
+        for (tokens, q), (tokens_r, q_r) in zip(*logs, strict=True):
+            assert torch.equal(tokens, tokens_r)
+            if q is not None or q_r is not None:  # a matmul over more rows may round differently
+                torch.testing.assert_close(q, q_r, rtol=1e-5, atol=1e-7)
+        assert cached.length > 280 and cached.kv[0][0].shape[2] < 2 * cached.length

@@ -313,6 +313,10 @@ def test_config_copies_target_positions(tiny_target):
     assert draft.hidden_layers == (2, 1, 1)  # low/mid/high taps of a 2-layer target
     draft_bf16 = _build(tiny_target, "eagle3").to(torch.bfloat16)
     assert draft_bf16.rotary.inv_freq.dtype == torch.float32  # rotary angles are not rounded
+    assert torch.equal(draft_bf16.rotary.inv_freq, draft.rotary.inv_freq)
+    assert draft_bf16.fc.weight.dtype == torch.bfloat16
+    assert "rotary.inv_freq" in dict(draft.named_buffers())  # moved by .to(device)
+    assert not any("rotary" in key for key in draft.state_dict())  # never saved or exported
 
 
 def test_pre_served_checkpoint_is_refused_with_a_clear_message(tiny_target):

@@ -17,8 +17,8 @@ decoding/entropy.py, docs/design.md §3).
 
 `decode.compile=true` also decodes every temperature through the compiled path
 (decoding/compiled.py, docs/fastpath.md) and logs `<tag>/compiled_<key>` beside the eager
-keys, its speedup against a compiled AR baseline; `compile_s` and `compiled_graphs` say what
-compiling cost at this checkpoint. The compiled target and one draft copy with its drafter
+keys, its speedup against a compiled AR baseline; `compile_s`, `compiled_graphs` and
+`compiled_cudagraphs` (CUDA-graph recordings) say what compiling cost at this checkpoint. The compiled target and one draft copy with its drafter
 are built at a run's first evaluation and kept (`DecodeCopies`): later checkpoints copy their
 weights into that copy in place, so no graph is compiled again.
 """
@@ -164,9 +164,11 @@ def compiled_decoding(
         widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
         if tree is None and dec.get("adaptive_k", False):
             widths += (2 * k + 1,)  # adaptive k reaches 2k
+        levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
         copies.compiled = CompiledTarget(
             decode_target, max_len + max(widths), widths, drafter.hidden_layers,
             mode=dec.get("compile_mode", "auto"), freeze=False if adapted else None,
+            draft_widths=levels,  # an EAGLE-2 tree level's width, compiled before timing
         )  # fmt: skip
         copies.compiled.warmup()
         copies.draft, copies.drafter = draft_eval, make_drafter(draft_eval, copies.compiled)
@@ -219,7 +221,7 @@ def evaluate_checkpoint(
     max_new_tokens = int(dec.get("max_new_tokens", 64))
     compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
     if dec.get("compile", False):
-        graphs, seconds = STATS.graphs, STATS.seconds
+        graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
         max_len = max(p.shape[1] for p in prompts) + max_new_tokens
         compiled = compiled_decoding(
             target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
@@ -259,6 +261,7 @@ def evaluate_checkpoint(
         result["speedup_compiled"] = result[f"{first}/compiled_speedup"]
         result["compile_s"] = STATS.seconds - seconds  # 0 once a run's graphs exist
         result["compiled_graphs"] = STATS.graphs - graphs
+        result["compiled_cudagraphs"] = STATS.cudagraphs - recorded  # CUDA-graph recordings
     return result, target_eval
 
 

@@ -50,7 +50,7 @@ from train.replay import Replay
 from train.report.tracking import RunLog, finish_tracking, init_tracking, tracker
 from train.run_files import check_run_dir, clear_run, save_hydra_record, write_atomic
 from train.schedule import global_rows, lr_lambda, rank_chunks, schedule_settings
-from train.settings import check_decode_context, check_settings
+from train.settings import check_decode_context, check_settings, gpu_index
 from train.step import StepResult, StepSetup, TrainingDiverged, train_step
 from train.step_stats import StepWindow, proxy_tags
 
@@ -70,8 +70,12 @@ def instantiate(node: DictConfig, **kwargs):
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:
     """train.bf16: true -> accelerate's bf16 autocast; "auto" -> the same on CUDA, and on a
-    CPU the measured choice (train/machine.py), applied by train_step itself."""
+    CPU the measured choice (train/machine.py), applied by train_step itself. device=cuda:N
+    makes GPU N current (train.settings.gpu_index)."""
     device = str(cfg.device)
+    index = gpu_index(device, int(os.environ.get("WORLD_SIZE", "1")))
+    if index is not None:  # accelerate's single process runs on "cuda", the current GPU
+        torch.cuda.set_device(index)
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     bf16 = cfg.train.bf16
     mixed = "bf16" if bf16 is True or (bf16 == "auto" and not cpu) else "no"

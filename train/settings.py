@@ -123,8 +123,8 @@ def check_decode(dec: DictConfig) -> None:
         _named("decode.compile_mode", resolve_mode, mode, torch.device("cpu"))
         if not dec.warmup >= 1:
             raise ValueError(
-                "decode.compile=true needs decode.warmup >= 1: the warm-up prompt compiles the "
-                "drafter's graphs, which must not fall into the timed decoding"
+                "decode.compile=true needs decode.warmup >= 1: the warm-up prompt keeps what a "
+                "first decode pays once (allocations, caches) out of the timed decoding"
             )
     if dec.get("tree") is not None:
         _named("decode.tree", TreeSpec, **OmegaConf.to_container(dec.tree, resolve=True))
@@ -212,6 +212,32 @@ def check_unset(cfg: DictConfig) -> None:
             f"{' '.join(f'{k}=...' for k in unset)} (e.g. target.path=DIR_OR_HUB_ID, "
             "data.source=FILE.jsonl)"
         )
+
+
+def gpu_index(device: str, world_size: int) -> int | None:
+    """`device` -> the GPU a single process must make current (N of cuda:N), else None;
+    refuses a GPU this machine or launch cannot give. accelerate places one process on
+    "cuda", the current GPU, and rank i of a multi-process launch on cuda:i, whatever
+    `device` says, so cuda:N is honoured by making N current, and only in one process."""
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device} but CUDA is not available here; use device=cpu or auto")
+    index = torch.device(device).index
+    if index is None:
+        return None
+    if world_size > 1:
+        raise ValueError(
+            f"device={device} names one GPU, but this launch runs {world_size} processes and "
+            "accelerate puts rank i on cuda:i; use device=cuda (CUDA_VISIBLE_DEVICES picks "
+            "the GPUs)"
+        )
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(
+            f"device={device} but this machine has {count} GPU(s), cuda:0..{count - 1}"
+        )
+    return index
 
 
 def check_settings(cfg: DictConfig) -> None:

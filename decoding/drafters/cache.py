@@ -24,7 +24,12 @@ def left_padding(attention_mask: Tensor | None) -> Tensor | None:
 
 
 def positions_and_mask(
-    start: int, length: int, pad: Tensor | None, device: torch.device, kv_len: int | None = None
+    start: int,
+    length: int,
+    pad: Tensor | None,
+    device: torch.device,
+    kv_len: int | None = None,
+    rows: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Position ids and attention mask of `length` entries appended at cache slots
     start..start+length-1, attending causally to the cache and to each other.
@@ -36,7 +41,11 @@ def positions_and_mask(
     whole cache). The mask is spelled out because sdpa's `is_causal` is top-left aligned,
     wrong beside a cache. `kv_len`: a static cache's size (decoding/compiled.py), whose
     attention reads every slot: the mask is then always given, kv_len wide, and hides the
-    slots past the new entries."""
+    slots past the new entries. `rows` (with kv_len): positions and mask get that many rows
+    even without padding, so that a padded batch runs the graph an unpadded one compiled."""
+    if rows is not None:
+        positions, mask = positions_and_mask(start, length, pad, device, kv_len)
+        return positions.expand(rows, -1), mask.expand(rows, -1, -1, -1)
     slots = torch.arange(start, start + length, device=device)  # cache slots of the new entries
     keys = torch.arange(start + length if kv_len is None else kv_len, device=device)
     causal = keys[None, :] <= slots[:, None]  # [L, kv], bottom-right aligned

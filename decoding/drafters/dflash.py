@@ -5,7 +5,10 @@ forward.
 State between calls. The draft's cache holds, per draft layer, the keys and values of the
 context c (the fused target features) of every verified position; they depend on the
 target's features only, so each position's are computed once and never rolled back:
-  kv       per layer ([B, kv, C, D] keys, values), C = cache slots (left padding first)
+  kv       per layer ([B, h, capacity, D] keys, values) buffers; slots 0..length-1 are the
+           context (left padding first). New entries are written in place after them and
+           the buffers double when full, so a round never copies the whole context (a
+           concatenation per round made a generation O(L^2) in copies).
   pending  [B, P, H] context of the positions verified since the last round, not yet in kv
 After prefill pending covers the prompt; after commit it covers the kept positions
 [last, d_1..d_n], whose target features the verify forward produced.
@@ -95,13 +98,8 @@ class DFlashDrafter:
         device = last_tokens.device
         slots = torch.arange(self.length, self.length + self.pending.shape[1], device=device)
         positions = slots[None] if self.pad is None else (slots[None] - self.pad[:, None])
-        new = self.model.context_kv(self.pending, positions.clamp_min(0))
-        if self.kv is not None:
-            new = [
-                (torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                for (k, v), (nk, nv) in zip(self.kv, new, strict=True)
-            ]
-        self.kv, self.length, self.pending = new, self.length + self.pending.shape[1], None
+        self._append(self.model.context_kv(self.pending, positions.clamp_min(0)))
+        self.pending = None
         B = last_tokens.shape[0]
         anchor = torch.full((B, 1), self.length, device=device)  # [B, 1] position of last
         ctx_mask = torch.ones(B, 1, self.length, dtype=torch.bool, device=device)
@@ -109,8 +107,29 @@ class DFlashDrafter:
             anchor = anchor - self.pad[:, None]
             real = torch.arange(self.length, device=device)[None, :] >= self.pad[:, None]
             ctx_mask = real[:, None]
-        h = self.model.blocks(self.embed(last_tokens)[:, None], anchor, self.kv, ctx_mask)
+        kv = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self.kv]
+        h = self.model.blocks(self.embed(last_tokens)[:, None], anchor, kv, ctx_mask)
         return h[:, 0]  # [B, P, H]
+
+    def _append(self, new: list[tuple[Tensor, Tensor]]) -> None:
+        """Write every layer's new keys and values [B, h, n, D] after the cached ones,
+        doubling the buffers when they are full (each entry copied O(1) times on average)."""
+        end = self.length + new[0][0].shape[2]
+        capacity = 0 if self.kv is None else self.kv[0][0].shape[2]
+        if end > capacity:
+            grown = []
+            for i, (nk, nv) in enumerate(new):
+                B, h, _, D = nk.shape
+                k, v = (x.new_empty(B, h, max(end, 2 * capacity), D) for x in (nk, nv))
+                if self.kv is not None:
+                    k[:, :, : self.length] = self.kv[i][0][:, :, : self.length]
+                    v[:, :, : self.length] = self.kv[i][1][:, :, : self.length]
+                grown.append((k, v))
+            self.kv = grown
+        for (k, v), (nk, nv) in zip(self.kv, new, strict=True):
+            k[:, :, self.length : end] = nk
+            v[:, :, self.length : end] = nv
+        self.length = end
 
     @torch.no_grad()
     def propose(

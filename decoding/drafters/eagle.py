@@ -26,7 +26,8 @@ pad[b] cache entries are padding (decoding/drafters/cache.py: position ids over 
 tokens, pad keys masked out).
 Compiled decoding (a `CompiledTarget`, decoding/compiled.py): the cache is a StaticKVCache
 and the layer pass runs compiled at fixed widths: 1 (a draft step), the target's widest
-forward (the pending positions, padded) and the tree's top_k (a tree level).
+forward (the pending positions, padded) and the tree's top_k (a tree level: the compiled
+target's `draft_widths`), all compiled by the warm-up when the drafter is built.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class EagleDrafter:
         if compiled is not None:
             B, size = compiled.cache.batch_size, compiled.max_len + DRAFT_EXTRA_SLOTS
             self.cache = StaticKVCache(1, B, size, compiled.device)
-            widths = (1, max(compiled.widths))
+            widths = (1, max(compiled.widths), *compiled.draft_widths)  # draft_widths: tree levels
             self.step = CachedStep(self._layer, self.cache, widths, compiled.mode)
             self.step.warmup(self._dummy_step_args)
 
@@ -93,7 +94,7 @@ class EagleDrafter:
         device = self.head.device
         feature = torch.zeros(B, width, H, dtype=self.model.fc.weight.dtype, device=device)
         tokens = torch.zeros(B, width, dtype=torch.long, device=device)
-        return feature, tokens, *positions_and_mask(0, width, None, device, self.cache.max_len)
+        return feature, tokens, *positions_and_mask(0, width, None, device, self.cache.max_len, B)
 
     @torch.no_grad()
     def prefill(
@@ -120,7 +121,8 @@ class EagleDrafter:
             return self._layer(feature, tokens, positions, mask)
         W = self.step.width(P)  # dummy positions after the real ones, cropped below
         size = self.cache.max_len
-        positions, mask = positions_and_mask(start, W, self.pad, tokens.device, kv_len=size)
+        B = tokens.shape[0]
+        positions, mask = positions_and_mask(start, W, self.pad, tokens.device, size, B)
         h = self.step(W, pad_seq(feature, W), pad_seq(tokens, W), positions, mask)
         self.cache.truncate(start + P)
         return h[:, :P]
@@ -217,6 +219,7 @@ class EagleDrafter:
                 h = self._layer(beam_hidden, target_ids, positions, mask)  # [B, k, H]
             else:  # the static cache's attention reads every slot: hide the ones past the tree
                 mask = F.pad(mask, (0, self.cache.max_len - mask.shape[-1]))
+                positions = positions.expand(B, k)  # the shapes the warm-up compiled
                 h = self.step(k, beam_hidden, target_ids, positions, mask)
             prev_hidden, prev_slots = h, slots
             return self.model.logits(h, self.head).float().log_softmax(-1)  # [B, k, V_draft]

@@ -76,7 +76,7 @@ class MTPDrafter:
         weight = self.model.depths[0].proj.weight
         prev = torch.zeros(B, width, H, dtype=weight.dtype, device=weight.device)
         tokens = torch.zeros(B, width, dtype=torch.long, device=weight.device)
-        return prev, tokens, *positions_and_mask(0, width, None, weight.device, cache.max_len)
+        return prev, tokens, *positions_and_mask(0, width, None, weight.device, cache.max_len, B)
 
     @torch.no_grad()
     def prefill(
@@ -116,7 +116,7 @@ class MTPDrafter:
             step = self.steps[depth - 1]
             W = step.width(L)
             positions, mask = positions_and_mask(
-                start, W, self.pad, prev_hidden.device, kv_len=cache.max_len
+                start, W, self.pad, prev_hidden.device, cache.max_len, prev_hidden.shape[0]
             )
             prev, ids = pad_seq(prev_hidden, W), pad_seq(token_ids, W)
             hidden = step(W, prev, ids, positions, mask)[:, :L]
