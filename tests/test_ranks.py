@@ -25,6 +25,7 @@ from train.schedule import global_rows
 
 ROWS, REGEN_BATCH, BATCH = 8, 2, 2  # 4 regeneration batches, 4 feature-cache batches
 RUN = [
+    "target.tie_word_embeddings=false",  # an untied head: varied answers, not one token repeated
     f"data.num_train={ROWS}",
     f"data.regen_batch_size={REGEN_BATCH}",
     f"train.batch_size={BATCH}",
