@@ -9,15 +9,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import ROOT, compose_debug, metrics_records
+from tests.helpers import ROOT, chat_ids, compose_debug, metrics_records, untied_target
 from train import feature_cache as fc
 from train.checkpoint import load_draft
 from train.data.prepare import prepare_data
+from train.data.regenerate import regenerate
 from train.evaluate import evaluate_checkpoint
 from train.loop import instantiate, make_accelerator
 from train.ranks import DEFAULT_TIMEOUT_S
@@ -119,3 +121,53 @@ def test_process_group_timeout_is_a_setting():
     assert default.train.dist_timeout_s == DEFAULT_TIMEOUT_S == 7200
     with pytest.raises(ValueError, match=r"train.dist_timeout_s=0: .*positive"):
         make_accelerator(compose_debug("unused", "train.dist_timeout_s=0"))
+
+
+class ThreadRanks:
+    """Two threads standing in for two ranks (train/ranks.py's interface): a restart of one
+    rank's share is tested in seconds, without launching processes."""
+
+    def __init__(self, rank: int, world: int, barrier: threading.Barrier, slots: list):
+        self.rank, self.world, self.main = rank, world, rank == 0
+        self._barrier, self._slots = barrier, slots
+
+    def barrier(self) -> None:
+        self._barrier.wait(timeout=120)
+
+    def gather(self, obj: object) -> list:
+        self._slots[self.rank] = obj
+        self.barrier()
+        out = list(self._slots)
+        self.barrier()  # nobody overwrites a slot before every rank has read them all
+        return out
+
+
+def regenerate_on_two_ranks(target, prompts: list[list[int]], **kw) -> list:
+    barrier, slots, results = threading.Barrier(2), [None, None], [None, None]
+
+    def rank(r: int) -> None:
+        results[r] = regenerate(target, prompts, ranks=ThreadRanks(r, 2, barrier, slots), **kw)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(results), "a rank failed"
+    return results
+
+
+def test_sharded_regeneration_resumes_only_the_missing_answers(tmp_path):
+    torch.set_num_threads(1)
+    target = untied_target()
+    prompts = [chat_ids(target, q) for q in ("a", "bb", "ccc", "dddd", "eeeee", "ffffff")]
+    kw = {"max_new_tokens": 6, "dtype": "float32", "batch_size": 2, "progress": False}
+    alone, _ = regenerate(target, prompts, cache_dir=tmp_path / "one", **kw)
+    (first, s0), (same, _) = regenerate_on_two_ranks(target, prompts, cache_dir=tmp_path, **kw)
+    assert first == same == alone and s0["by_rank"] == [4, 2]  # batches 0, 2 and 1
+    rank1 = next((tmp_path / "data" / "regen").iterdir()) / "responses.rank1.jsonl"
+    lines = rank1.read_text().splitlines()
+    rank1.write_text(lines[0] + "\n" + lines[1][:20])  # rank 1 died writing its batch
+    (again, s1), _ = regenerate_on_two_ranks(target, prompts, cache_dir=tmp_path, **kw)
+    assert again == alone
+    assert (s1["cached"], s1["generated"], s1["by_rank"]) == (5, 1, [1, 0])
