@@ -12,6 +12,7 @@ and returns a JSON-able dict:
     accept_hist          rounds with 0..k accepted drafts
                          (α, accept_cumulative, accept_hist: rounds with drafts only)
     verify_rounds, drafted_rounds   verify forwards; those with drafts
+    accepted_per_prompt  accepted drafts per prompt, in prompt order
     tokens_per_s, ar_tokens_per_s, speedup (= tokens/s ratio; equals the AR/spec wall-time
                          ratio when both emit the same tokens, e.g. greedy), wall_time_ratio
     best_ar_dtype, best_ar_tokens_per_s, speedup_best_ar
@@ -42,6 +43,7 @@ and returns a JSON-able dict:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -94,10 +96,25 @@ def greedy_match(ar: list[int], spec: list[int]) -> float:
     return same / max(len(ar), len(spec), 1)
 
 
-def evaluate(
+@dataclass
+class Decoded:
+    """What `evaluate` measures, kept per prompt so that the shares of the prompts decoded
+    in several processes merge (`merge_decoded`) into the record one process would give:
+    `summarize` sums and concatenates in prompt order."""
+
+    indices: list[int]  # the prompts decoded, positions in the caller's list
+    ar: list[GenerationResult]  # per prompt: plain AR
+    spec: list[GenerationResult]  # speculative
+    best: list[GenerationResult]  # the fastest AR's dtype (empty without a baseline)
+    entropy: list[tuple[list[Tensor], list[Tensor]]]  # per prompt: EntropyProbe's rounds, CPU
+    facts: dict  # settings and devices the record reports (the same in every share)
+
+
+def decode_prompts(
     target: Target,
     drafter: Drafter,
     prompts: list[Tensor],  # each [T] or [1, T]
+    indices: list[int] | None = None,  # the prompts to decode (None: all); a process's share
     *,
     k: int = 4,
     sampling: Sampling = GREEDY,
@@ -109,9 +126,11 @@ def evaluate(
     tree: TreeSpec | None = None,  # draft trees instead of chains (k is then unused)
     entropy: bool = True,  # record entropy_alpha (False: None, and no probe work per round)
     baseline: Target | None = None,  # the same target in the dtype of the machine's fastest AR
-) -> dict:
-    if not prompts:
-        raise ValueError("evaluate needs at least one prompt")
+) -> Decoded:
+    """Decode `indices` of `prompts` AR and speculatively (and AR in the baseline's dtype),
+    prompt i with the generator seeded seed + i whatever share it is in, after a warm-up on
+    the share's first `warmup` prompts."""
+    indices = list(range(len(prompts))) if indices is None else list(indices)
     device = target.device
     kw = dict(sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
     spec_kw = dict(k=k, adaptive_k=adaptive_k, tree=tree, **kw)
@@ -119,22 +138,71 @@ def evaluate(
     def gen(seed_offset: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed + seed_offset)
 
-    for i in range(min(warmup, len(prompts))):  # caches, allocator, kernel choice
+    for i in indices[:warmup]:  # caches, allocator, kernel choice
         generate(target, _as_row(prompts[i]), None, generator=gen(i), **kw)
         generate(target, _as_row(prompts[i]), drafter, generator=gen(i), **spec_kw)
         if baseline is not None:
             generate(
                 baseline, _as_row(prompts[i]).to(baseline.device), None, generator=gen(i), **kw
             )
-    ar_runs, spec_runs, best_runs = [], [], []
-    probe = EntropyProbe() if entropy else None  # the measured runs only, not the warm-up
-    for i, prompt in enumerate(prompts):
-        ar_runs.append(generate(target, _as_row(prompt), None, generator=gen(i), **kw))
-        spec_runs.append(
-            generate(target, _as_row(prompt), drafter, generator=gen(i), probe=probe, **spec_kw)
-        )
+    out = Decoded(indices, [], [], [], [], {
+        "k": k, "adaptive_k": adaptive_k, "tree": tree, "sampling": sampling,
+        "max_new_tokens": max_new_tokens, "entropy": entropy, "device": str(device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "best_ar_dtype": str((baseline or target).dtype).removeprefix("torch."),
+    })  # fmt: skip
+    for i in indices:  # the measured runs only, not the warm-up, are probed
+        prompt = _as_row(prompts[i])
+        probe = EntropyProbe() if entropy else None
+        out.ar.append(generate(target, prompt, None, generator=gen(i), **kw))
+        out.spec.append(generate(target, prompt, drafter, generator=gen(i), probe=probe, **spec_kw))
         if baseline is not None:  # interleaved with the other two, prompt by prompt
-            best_runs.append(generate(baseline, _as_row(prompt), None, generator=gen(i), **kw))
+            out.best.append(generate(baseline, prompt, None, generator=gen(i), **kw))
+        if probe is not None:
+            out.entropy.append(
+                ([h.cpu() for h in probe.entropy], [a.cpu() for a in probe.acceptance])
+            )
+    return out
+
+
+def merge_decoded(parts: list[Decoded]) -> Decoded:
+    """The shares of several processes as one, in prompt order."""
+    order = sorted((i, p, j) for p, part in enumerate(parts) for j, i in enumerate(part.indices))
+
+    def pick(field: str) -> list:  # `best` and `entropy` are empty in every share or none
+        return [getattr(parts[p], field)[j] for _, p, j in order if getattr(parts[p], field)]
+
+    facts = next((part.facts for part in parts if part.indices), parts[0].facts)
+    merged = [pick(field) for field in ("ar", "spec", "best", "entropy")]
+    return Decoded([i for i, _, _ in order], *merged, facts)
+
+
+def evaluate(
+    target: Target,
+    drafter: Drafter,
+    prompts: list[Tensor],  # each [T] or [1, T]
+    **kw,
+) -> dict:
+    """`decode_prompts` over every prompt, then `summarize` (the keys: module doc)."""
+    if not prompts:
+        raise ValueError("evaluate needs at least one prompt")
+    return summarize(decode_prompts(target, drafter, prompts, **kw))
+
+
+def summarize(decoded: Decoded) -> dict:
+    """The metrics of the module doc from every prompt's decodes (`decode_prompts`, or the
+    `merge_decoded` shares of several processes)."""
+    ar_runs, spec_runs, best_runs = decoded.ar, decoded.spec, decoded.best
+    if not spec_runs:
+        raise ValueError("summarize needs at least one decoded prompt")
+    facts = decoded.facts
+    k, tree, sampling = facts["k"], facts["tree"], facts["sampling"]
+    probe = None
+    if facts["entropy"]:
+        probe = EntropyProbe()
+        for entropies, acceptances in decoded.entropy:
+            probe.entropy += entropies
+            probe.acceptance += acceptances
 
     stats = acceptance_stats(spec_runs, max(max(r.draft_lens, default=k) for r in spec_runs))
     ar_time = sum(r.total_s for r in ar_runs)
@@ -153,14 +221,15 @@ def evaluate(
     out = {
         **stats,
         "k": k if tree is None else tree.max_depth,
-        "adaptive_k": adaptive_k,
+        "adaptive_k": facts["adaptive_k"],
         "tree": None if tree is None else dataclasses.asdict(tree),
         "tree_size": None,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
-        "max_new_tokens": max_new_tokens,
-        "num_prompts": len(prompts),
+        "max_new_tokens": facts["max_new_tokens"],
+        "num_prompts": len(spec_runs),
+        "accepted_per_prompt": [sum(r.accept_counts) for r in spec_runs],
         "new_tokens": spec_tokens,
         "ar_new_tokens": ar_tokens,
         "tokens_per_s": spec_tps,
@@ -168,7 +237,7 @@ def evaluate(
         "speedup": spec_tps / ar_tps,
         # Against the fastest AR this machine runs (its best dtype; docs/design.md §3): the
         # AR above when no faster baseline was given.
-        "best_ar_dtype": str((baseline or target).dtype).removeprefix("torch."),
+        "best_ar_dtype": facts["best_ar_dtype"],
         "best_ar_tokens_per_s": ar_tps,
         "speedup_best_ar": spec_tps / ar_tps,
         "wall_time_ratio": ar_time / spec_time,
@@ -183,10 +252,10 @@ def evaluate(
         "greedy_match_rate": None,
         "greedy_exact_match": None,
         "entropy_alpha": None if probe is None else probe.summary(),
-        "device": str(device),
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": facts["device"],
+        "dtype": facts["dtype"],
     }
-    if baseline is not None:
+    if best_runs:
         best_tps = sum(r.num_tokens for r in best_runs) / sum(r.total_s for r in best_runs)
         out["best_ar_tokens_per_s"] = best_tps
         out["speedup_best_ar"] = spec_tps / best_tps

@@ -21,6 +21,13 @@ keys, its speedup against a compiled AR baseline; `compile_s`, `compiled_graphs`
 `compiled_cudagraphs` (CUDA-graph recordings) say what compiling cost at this checkpoint. The compiled target and one draft copy with its drafter
 are built at a run's first evaluation and kept (`DecodeCopies`): later checkpoints copy their
 weights into that copy in place, so no graph is compiled again.
+
+With several processes (`ranks`, train/ranks.py) every rank evaluates the checkpoint: rank 0
+picks the decoding dtypes and every rank decodes in them, rank r decodes prompts r, r +
+world, ... (prompt i seeded as in one process), and the per-prompt results are gathered and
+summarised in prompt order, so τ, α, the accept counts of every prompt and the token counts
+equal one process's (timings are sums over prompts, as in one process; each rank warms up
+on its own first prompt). Every rank returns the same record.
 """
 
 from __future__ import annotations
@@ -36,12 +43,13 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.compiled import STATS, CompiledTarget
 from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
-from decoding.metrics import evaluate
+from decoding.metrics import decode_prompts, merge_decoded, summarize
 from decoding.spec import generate
 from decoding.tree import TreeSpec
 from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
+from train.ranks import Ranks
 from train.step_stats import decode_samplings
 
 
@@ -77,7 +85,7 @@ def decode_copies(
     cached = max(32, 32 * round((prompt + dec.max_new_tokens / 2) / 32))
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
     per = int(dec.max_new_tokens)
-    choices = {}
+    choices: dict[str, DtypeChoice] = {}
     for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
         shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached,
                   "prefill": prompt, "per": per}  # fmt: skip
@@ -89,10 +97,16 @@ def decode_copies(
         choices[use] = choose_dtype(use, setting, shapes, measure, target.device, cache_dir)
         if choices[use].source != "explicit":
             print(f"dtype {choices[use].describe()}", flush=True)
-    decode_dtype, ar_dtype = (resolve_dtype(choices[u].dtype) for u in ("decode", "ar"))
+    return copies_in(target, {u: c.as_record() for u, c in choices.items()})
+
+
+def copies_in(target: Target, dtypes: dict) -> DecodeCopies:
+    """The decoding copies for dtype choices already made (`DtypeChoice.as_record`s of
+    "decode" and "ar"): how the other ranks follow rank 0's verdicts."""
+    decode_dtype, ar_dtype = (resolve_dtype(dtypes[u]["dtype"]) for u in ("decode", "ar"))
     copy_ = decode_copy(target, decode_dtype)
     baseline = None if ar_dtype == decode_dtype else decode_copy(target, ar_dtype)
-    return DecodeCopies(copy_, {u: c.as_record() for u, c in choices.items()}, baseline)
+    return DecodeCopies(copy_, dict(dtypes), baseline)
 
 
 def draft_dtype_choice(
@@ -186,8 +200,11 @@ def evaluate_checkpoint(
     cfg: DictConfig,
     last_train: dict | None,  # the newest train record: its simulated tau per sampling
     target_eval: DecodeCopies | None = None,
+    ranks: Ranks | None = None,  # several processes: each decodes its share (module doc)
 ) -> tuple[dict, DecodeCopies]:
-    """-> (flat JSON-able metrics, the decoding copies to reuse at the next checkpoint)."""
+    """-> (flat JSON-able metrics, the decoding copies to reuse at the next checkpoint).
+    `draft` is the whole draft (not a sharded one): each rank decodes with a copy of it."""
+    ranks = ranks or Ranks()
     dec = cfg.decode
     k = int(dec.get("k", 4))
     tree = None  # decode=tree_static / tree_dynamic: draft trees (decoding/tree.py)
@@ -197,16 +214,18 @@ def evaluate_checkpoint(
         raise ValueError(
             "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
         )
-    if target_eval is None:
-        target_eval = decode_copies(
-            target, dec, tree, eval_prompts, (cfg.get("data") or {}).get("cache_dir")
-        )
-        prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
-        cache_dir = (cfg.get("data") or {}).get("cache_dir")
-        choice = draft_dtype_choice(draft, target_eval.target, dec, tree, prompt, cache_dir)
-        if choice.source != "explicit":
-            print(f"dtype {choice.describe()}", flush=True)
-        target_eval.dtypes["draft"] = choice.as_record()
+    if target_eval is None:  # rank 0 chooses the dtypes, every rank decodes in them
+        if ranks.main:
+            cache_dir = (cfg.get("data") or {}).get("cache_dir")
+            target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir)
+            prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
+            choice = draft_dtype_choice(draft, target_eval.target, dec, tree, prompt, cache_dir)
+            if choice.source != "explicit":
+                print(f"dtype {choice.describe()}", flush=True)
+            target_eval.dtypes["draft"] = choice.as_record()
+        dtypes = ranks.broadcast(target_eval.dtypes if ranks.main else None)
+        if not ranks.main:
+            target_eval = copies_in(target, dtypes)
     draft_dtype = resolve_dtype(target_eval.dtypes["draft"]["dtype"])
     draft_eval = draft_decode_copy(draft, draft_dtype)
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
@@ -217,6 +236,7 @@ def evaluate_checkpoint(
     prompts = [
         torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in eval_prompts[:num]
     ]
+    mine = ranks.mine(len(prompts))  # prompts rank, rank + world, ...
     result: dict = {"k": k, "num_prompts": len(prompts)}
     max_new_tokens = int(dec.get("max_new_tokens", 64))
     compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
@@ -239,9 +259,16 @@ def evaluate_checkpoint(
             tree=tree,
         )
         with torch.no_grad():
-            m = evaluate(decode_target, drafter, prompts, baseline=target_eval.baseline, **kw)
-            if compiled is not None:
-                mc = evaluate(*compiled, prompts, entropy=False, **kw)  # COMPILED_KEYS only
+            share = decode_prompts(
+                decode_target, drafter, prompts, mine, baseline=target_eval.baseline, **kw
+            )
+            parts = ranks.gather(share)
+            if ranks.world > 1:  # which rank decoded which prompts
+                result["prompts_by_rank"] = [part.indices for part in parts]
+            m = summarize(merge_decoded(parts))
+            if compiled is not None:  # COMPILED_KEYS only
+                share = decode_prompts(*compiled, prompts, mine, entropy=False, **kw)
+                mc = summarize(merge_decoded(ranks.gather(share)))
                 result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
         for key, value in m.items():
             result[f"{tag}/{key}"] = value

@@ -26,6 +26,12 @@ its dtype, every row's token ids and the hidden layers, so a changed target, dat
 never reads a stale cache. The pass writes into a temporary directory renamed at the end: a key directory
 is complete, and one that fails the checks in `_open` (missing or short shard, wrong shapes)
 is deleted and rebuilt, never read.
+
+Several processes (`ranks`, train/ranks.py) share the pass: the batches are those of one
+process and batch b is run by rank b mod world (so every row gets the bits one process
+gives it), each rank writes its part (`.part-<key>-<rank>of<world>`, renamed when complete;
+a restarted rank whose part is complete does not run it again), and rank 0 moves the parts'
+shards into the key directory with one row table.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from tqdm.auto import tqdm
 from models.target import Target, TargetOutput
 from train.data.prepare import collate
 from train.data.regenerate import default_cache_root
+from train.ranks import Ranks
 
 FORMAT = 1  # bump when the layout changes: old caches then get a new key
 
@@ -97,43 +104,111 @@ def build_feature_cache(
     order: list[int] | None = None,  # row order of the pass; the loop gives its first epoch's
     shard_bytes: int = 256 << 20,
     progress: bool = True,
+    ranks: Ranks | None = None,  # several processes: each runs its share of the batches
 ) -> FeatureCache:
     """The target's features over every training row: read from the cache when a complete
     one exists for these settings, else computed in one pass (batches of `batch_size` rows
-    in `order`), written atomically, then read."""
+    in `order`, shared by the ranks), written atomically, then read."""
+    ranks = ranks or Ranks()
     hidden_layers = tuple(hidden_layers)
     settings = cache_settings(target, train_rows, hidden_layers)
     root = (Path(cache_dir).expanduser() if cache_dir else default_cache_root()) / "features"
     path = root / cache_key(settings)
-    if path.exists():
-        try:
-            return _open(path, settings)
-        except ValueError as err:
-            warnings.warn(f"damaged feature cache {path} ({err}): rebuilding it", stacklevel=2)
-            shutil.rmtree(path)
     order = list(range(len(train_rows))) if order is None else [int(i) for i in order]
     if sorted(order) != list(range(len(train_rows))):
         raise ValueError(
             f"order must be a permutation of the {len(train_rows)} row indices (each row once)"
         )
+    opened = _open_or_none(path, settings, warn=ranks.main)
+    if all(ranks.gather(opened is not None)):
+        return opened
+    if ranks.main and path.exists():  # damaged: rebuilt
+        shutil.rmtree(path)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=root))  # one per builder
-    try:
-        _write(tmp, target, train_rows, hidden_layers, settings, batch_size, order, shard_bytes,
-               progress)  # fmt: skip
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    mine = [batch for b, batch in enumerate(batches) if b % ranks.world == ranks.rank]
+    part = path if ranks.world == 1 else root / f".part-{path.name}-{ranks.rank}of{ranks.world}"
+    if ranks.world == 1 or not _part_complete(part, settings):
+        if ranks.world > 1:
+            shutil.rmtree(part, ignore_errors=True)  # an incomplete part of an earlier start
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=root))  # one per builder
         try:
-            os.rename(tmp, path)
-        except OSError:  # another process finished the same cache first: keep its copy
-            if not path.exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            _write(tmp, target, train_rows, hidden_layers, settings, mine, shard_bytes,
+                   progress and ranks.main)  # fmt: skip
+            try:
+                os.rename(tmp, part)
+            except OSError:  # another process finished the same cache first: keep its copy
+                if not part.exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if ranks.world > 1:
+        ranks.barrier()  # every part is complete
+        if ranks.main:
+            _merge_parts(root, path, settings, ranks.world)
+        ranks.barrier()
     return _open(path, settings)
 
 
+def _open_or_none(path: Path, settings: dict, warn: bool) -> FeatureCache | None:
+    """The complete cache at `path`, or None when there is none or it is damaged."""
+    if not path.exists():
+        return None
+    try:
+        return _open(path, settings)
+    except ValueError as err:
+        if warn:
+            warnings.warn(f"damaged feature cache {path} ({err}): rebuilding it", stacklevel=3)
+        return None
+
+
+def _part_complete(part: Path, settings: dict) -> bool:
+    """A rank's part from an earlier start: its index is for these settings and its shards
+    are all there."""
+    try:
+        index = json.loads((part / "index.json").read_text())
+        return index["settings"] == settings and all(
+            (part / s["file"]).is_file() and (part / s["file"]).stat().st_size == s["bytes"]
+            for s in index["shards"]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _merge_parts(root: Path, path: Path, settings: dict, world: int) -> None:
+    """Rank 0: the parts' shards renumbered into one key directory, their row tables made
+    one (each row is in exactly one part), written atomically; the parts removed."""
+    parts = [root / f".part-{path.name}-{r}of{world}" for r in range(world)]
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=root))
+    try:
+        rows: list = [None] * settings["num_rows"]
+        shards: list[dict] = []
+        names = None
+        for rank, part in enumerate(parts):
+            index = json.loads((part / "index.json").read_text())
+            names = index["names"]
+            offset = len(shards)
+            for shard in index["shards"]:
+                file = f"shard_{len(shards):05d}.safetensors"
+                os.replace(part / shard["file"], tmp / file)
+                shards.append({**shard, "file": file, "rank": rank})  # who computed it
+            for i, row in enumerate(index["rows"]):
+                if row is not None:
+                    rows[i] = [offset + row[0], row[1], row[2]]
+        index = {"settings": settings, "names": names, "shards": shards, "rows": rows}
+        (tmp / "index.json").write_text(json.dumps(index))
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for part in parts:
+        shutil.rmtree(part, ignore_errors=True)
+
+
 @torch.no_grad()
-def _write(tmp, target, train_rows, hidden_layers, settings, batch_size, order, shard_bytes,
+def _write(tmp, target, train_rows, hidden_layers, settings, batches, shard_bytes,
            progress) -> None:  # fmt: skip
+    """The features of the rows of `batches` (lists of row indices; each one forward) into
+    `tmp`: shards and index.json, whose row table holds None for rows not in `batches`."""
     names = tuple(dict.fromkeys(["last", *map(_name, hidden_layers)]))
     taps = tuple(dict.fromkeys([la for la in hidden_layers if la != -1] + [-1]))  # once each
     pad_id = target.tokenizer.pad_token_id
@@ -152,9 +227,8 @@ def _write(tmp, target, train_rows, hidden_layers, settings, batch_size, order, 
         filled = 0
 
     token_bytes = len(names) * target.hidden_size * target.dtype.itemsize
-    bar = tqdm(total=len(order), desc="feature cache", unit="row", disable=not progress)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
+    bar = tqdm(total=sum(map(len, batches)), desc="feature cache", unit="row", disable=not progress)
+    for chunk in batches:
         # The loop's own collate: same padding, same widths, so the same bits.
         batch = collate([train_rows[i] for i in chunk], pad_id)
         out = target(

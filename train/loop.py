@@ -25,7 +25,7 @@ from pathlib import Path
 import hydra.utils
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -46,6 +46,7 @@ from train.feature_cache import FeatureCache, build_feature_cache
 from train.formats.init_from import check_init_from, init_draft_from
 from train.identity import Resumed, check_resume, run_identity
 from train.machine import choose_autocast, set_target_dtype, share_threads
+from train.ranks import Ranks, dist_timeout
 from train.replay import Replay
 from train.report.tracking import RunLog, finish_tracking, init_tracking, tracker
 from train.run_files import check_run_dir, clear_run, save_hydra_record, write_atomic
@@ -71,7 +72,8 @@ def instantiate(node: DictConfig, **kwargs):
 def make_accelerator(cfg: DictConfig) -> Accelerator:
     """train.bf16: true -> accelerate's bf16 autocast; "auto" -> the same on CUDA, and on a
     CPU the measured choice (train/machine.py), applied by train_step itself. device=cuda:N
-    makes GPU N current (train.settings.gpu_index)."""
+    makes GPU N current (train.settings.gpu_index). Every collective of a multi-process run
+    waits at most train.dist_timeout_s (train/ranks.py)."""
     device = str(cfg.device)
     index = gpu_index(device, int(os.environ.get("WORLD_SIZE", "1")))
     if index is not None:  # accelerate's single process runs on "cuda", the current GPU
@@ -79,7 +81,10 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     bf16 = cfg.train.bf16
     mixed = "bf16" if bf16 is True or (bf16 == "auto" and not cpu) else "no"
-    return Accelerator(cpu=cpu, mixed_precision=mixed, log_with=tracker(cfg))
+    timeout = InitProcessGroupKwargs(timeout=dist_timeout(cfg.train.get("dist_timeout_s")))
+    return Accelerator(
+        cpu=cpu, mixed_precision=mixed, log_with=tracker(cfg), kwargs_handlers=[timeout]
+    )
 
 
 def preflight(draft: DraftModel, target: Target, sample_ids: torch.Tensor) -> list[int]:
@@ -114,17 +119,16 @@ def build_draft(cfg: DictConfig, target: Target, prepared: PreparedData, warm_st
 def feature_cache(
     cfg: DictConfig, accelerator: Accelerator, target: Target, draft: DraftModel, rows
 ) -> FeatureCache | None:
-    """train.feature_cache: the target's features over the rows, computed once by rank 0 in
-    the loop's first-epoch order, then read by every rank."""
+    """train.feature_cache: the target's features over the rows, computed once in the
+    loop's first-epoch order (every rank its share of the batches), then read by every rank."""
     if not cfg.train.get("feature_cache"):
         return None
-    with accelerator.main_process_first():
-        first_epoch = global_rows(0, len(rows), len(rows), cfg.seed)
-        return build_feature_cache(
-            target, rows, draft.hidden_layers, cfg.data.get("cache_dir"),
-            batch_size=cfg.train.batch_size, order=first_epoch,
-            progress=accelerator.is_main_process,
-        )  # fmt: skip
+    first_epoch = global_rows(0, len(rows), len(rows), cfg.seed)
+    return build_feature_cache(
+        target, rows, draft.hidden_layers, cfg.data.get("cache_dir"),
+        batch_size=cfg.train.batch_size, order=first_epoch,
+        progress=accelerator.is_main_process, ranks=Ranks.current(),
+    )  # fmt: skip
 
 
 def make_replay(
@@ -197,7 +201,8 @@ def checkpoint_and_evaluate(
     log: RunLog, step: int, last: bool, train_s: float, loss: float,
 ) -> None:  # fmt: skip
     """Checkpoint `step` (every rank takes part in the gathers; the main rank writes) and,
-    when due, evaluate it with the shared decoder on the main rank."""
+    when due, evaluate it with the shared decoder (every rank decodes its share of the
+    prompts, train/evaluate.py; the main rank records)."""
     tc, world = cfg.train, accelerator.num_processes
     draft_state = accelerator.get_state_dict(draft)  # FSDP gathers the full state here
     rng_all = gather_object([rng_state()])  # one entry per rank
@@ -210,16 +215,17 @@ def checkpoint_and_evaluate(
             tc.keep_last, meta={"loss": loss, "name": str(cfg.name)},
             config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
         ))  # fmt: skip
-        every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
-        if tc.eval_at_ckpt and (last or not every or step % every == 0):
-            rng = rng_state()  # evaluation must not shift the training RNG stream
-            result, records.decode_copies = evaluate_checkpoint(
-                target, core, prepared.eval_prompts, cfg, records.last_train, records.decode_copies
-            )
-            set_rng_state(rng)
-            result["step"] = step
-            records.evals.append(result)
-            log.write({"kind": "eval", **result})
+    every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
+    if tc.eval_at_ckpt and (last or not every or step % every == 0):
+        rng = rng_state()  # evaluation must not shift the training RNG stream
+        result, records.decode_copies = evaluate_checkpoint(
+            target, core, prepared.eval_prompts, cfg, records.last_train, records.decode_copies,
+            Ranks.current(),
+        )  # fmt: skip
+        set_rng_state(rng)
+        result["step"] = step
+        records.evals.append(result)
+        log.write({"kind": "eval", **result})  # the main rank's
     accelerator.wait_for_everyone()
 
 
@@ -279,8 +285,8 @@ def train_run(cfg: DictConfig) -> dict:
             print(f"[resume] {note}", flush=True)
     elif cfg.draft.get("init_from"):
         check_init_from(cfg.draft, target)
-    with accelerator.main_process_first():  # rank 0 fills the regeneration cache
-        prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
+    ranks = Ranks.current()  # regeneration, feature cache, evaluation: each rank its share
+    prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True), ranks=ranks)
     if tc.eval_at_ckpt:  # the evaluation's prompts + new tokens fit the context window
         check_decode_context(target, cfg.decode, prepared.eval_prompts)
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])

@@ -5,7 +5,12 @@ what the draft sees at decode time: the field reports ~+10% τ from it.
 
 Cache layout: <root>/data/regen/<settings-key>/responses.jsonl, one JSON line per
 answered prompt, appended batch by batch (a crash loses at most one batch; a rerun
-skips every prompt already in the file). The settings key hashes the target name, the
+skips every prompt already in the file). With several processes (`ranks`, train/ranks.py)
+the prompts still missing are batched as one process batches them, batch b goes to rank
+b mod world, and rank r appends to its own shard file (rank 0: responses.jsonl, rank r > 0:
+responses.rank<r>.jsonl); every rank then reads every shard file. The batches, their seeds
+and the row order of the result are those of one process, so the answers are the same
+(greedy and sampled); a restarted rank skips every prompt any shard holds. The settings key hashes the target name, the
 fingerprint of its weights (models/identity.py: weights re-saved under the same name or path
 answer afresh), the chat template the prompts were rendered with (data.chat_template,
 resolved) and the sampling settings; inside it each line is keyed by a hash of the
@@ -29,6 +34,7 @@ from tqdm.auto import tqdm
 
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
+from train.ranks import Ranks
 from train.run_files import write_atomic
 
 
@@ -96,6 +102,11 @@ def _adopt_legacy(regen: Path, settings: dict, shard_dir: Path) -> None:
     )
 
 
+def shard_file(shard_dir: Path, rank: int) -> Path:
+    """The file rank `rank` appends its answers to (rank 0's is a single process's)."""
+    return shard_dir / ("responses.jsonl" if rank == 0 else f"responses.rank{rank}.jsonl")
+
+
 def _read_shard(path: Path) -> dict[str, dict]:
     done: dict[str, dict] = {}
     if not path.is_file():
@@ -108,6 +119,34 @@ def _read_shard(path: Path) -> dict[str, dict]:
                 continue
             done[row["prompt"]] = row
     return done
+
+
+def read_answers(shard_dir: Path) -> dict[str, dict]:
+    """Every answer in every shard file of a cache directory, keyed by prompt hash; a prompt
+    two files hold (answered under another world size) is taken from the first file in
+    name order, so every rank reads the same answer."""
+    done: dict[str, dict] = {}
+    for path in sorted(shard_dir.glob("responses*.jsonl")):
+        for key, row in _read_shard(path).items():
+            done.setdefault(key, row)
+    return done
+
+
+def merged_stats(per_rank: list[dict]) -> dict:
+    """One regeneration's stats from every rank's: counts summed, seconds the slowest
+    rank's (the ranks ran at once), `by_rank` the prompts each rank answered."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    new_tokens = sum(s["new_tokens"] for s in per_rank)
+    seconds = max(s["seconds"] for s in per_rank)
+    return {
+        **per_rank[0],
+        "generated": sum(s["generated"] for s in per_rank),
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+        "by_rank": [s["generated"] for s in per_rank],
+    }
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -132,13 +171,18 @@ def regenerate(
     cache_dir: str | Path | None = None,
     chat_template: str | None = None,
     progress: bool = True,
+    ranks: Ranks | None = None,
 ) -> tuple[list[dict], dict]:
     """Answer each prompt (token ids, chat template applied with the generation prompt;
     `chat_template` is the template used, None = the tokenizer's: part of the cache key).
+    `ranks`: with several processes every rank calls this with the same prompts and answers
+    its share of the batches (module doc); None = this process alone.
 
     Returns one dict per prompt, in order: `ids` (new tokens, the EOS included when the
-    target stopped by itself) and `finished`; plus stats (cache hits, tokens/s).
+    target stopped by itself) and `finished`; plus stats (cache hits, tokens/s; with several
+    ranks summed over them, `by_rank` the prompts each answered).
     """
+    ranks = ranks or Ranks()
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -146,16 +190,21 @@ def regenerate(
     settings = settings_key(target, max_new_tokens, temperature, top_p, seed, chat_template, dtype)
     root = Path(cache_dir) if cache_dir else default_cache_root()
     shard_dir = root / "data" / "regen" / _sha(settings)
-    _adopt_legacy(root / "data" / "regen", settings, shard_dir)
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(shard_dir / "settings.json", json.dumps(settings, indent=1))
-    shard = shard_dir / "responses.jsonl"
+    if ranks.main:
+        _adopt_legacy(root / "data" / "regen", settings, shard_dir)
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(shard_dir / "settings.json", json.dumps(settings, indent=1))
+    ranks.barrier()  # the directory exists
+    shard = shard_file(shard_dir, ranks.rank)
 
     keys = [_sha(p) for p in prompts]
-    done = _read_shard(shard)
+    done = read_answers(shard_dir)
+    ranks.barrier()  # every rank has read the same answers before any rank appends more
     todo = sorted(
         {k: i for i, k in enumerate(keys) if k not in done}.values(), key=lambda i: -len(prompts[i])
     )  # similar lengths share a batch: less padding
+    batches = [todo[start : start + batch_size] for start in range(0, len(todo), batch_size)]
+    mine = [(b, batch) for b, batch in enumerate(batches) if b % ranks.world == ranks.rank]
     stats = {
         "prompts": len(prompts),
         "cached": len(prompts) - len(todo),
@@ -165,7 +214,7 @@ def regenerate(
         "tokens_per_s": None,
         "cache": str(shard),
     }
-    if todo:
+    if mine:
         # bf16 for generation: fp32 matmuls with a few rows are pathologically slow on CPU.
         model = target.model
         gen_dtype = resolve_dtype(dtype)
@@ -177,13 +226,13 @@ def regenerate(
         sampling = {"do_sample": False}
         if temperature > 0:
             sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-        bar = tqdm(total=len(todo), desc="regenerate", unit="prompt", disable=not progress)
+        bar = tqdm(total=sum(len(batch) for _, batch in mine), desc="regenerate", unit="prompt",
+                   disable=not (progress and ranks.main))  # fmt: skip
         t0 = time.perf_counter()
         with shard.open("a") as out:
             if not _ends_with_newline(shard):  # a crash left a partial last line: end it
                 out.write("\n")
-            for b, start in enumerate(range(0, len(todo), batch_size)):
-                batch = todo[start : start + batch_size]
+            for b, batch in mine:
                 width = max(len(prompts[i]) for i in batch)
                 input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, L]
                 attention_mask = torch.zeros_like(input_ids)  # [B, L], left padded
@@ -226,4 +275,13 @@ def regenerate(
         bar.close()
         stats["seconds"] = round(time.perf_counter() - t0, 2)
         stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
+    if ranks.world > 1:  # gathering waits for every rank's shard: then read them all
+        stats = merged_stats(ranks.gather(stats))
+        done = read_answers(shard_dir)
+    missing = sum(k not in done for k in keys)
+    if missing:
+        raise RuntimeError(
+            f"{missing} of {len(keys)} prompts have no answer in {shard_dir} after every rank "
+            "answered its share: another job writing the same cache? Run again to answer them"
+        )
     return [done[k] for k in keys], stats
