@@ -3,10 +3,11 @@
 Frozen target online, trainable draft, accelerate for devices and ranks. The pieces, in the
 order `run` uses them: the start-up checks (train/settings.py), data (train/data/), the
 draft and its warm start (train/formats/init_from.py), the feature cache
-(train/feature_cache.py), row order and LR schedule (train/schedule.py), replay
-(train/replay.py), one optimizer step (train/step.py), checkpoints and exact resume
-(train/checkpoint.py; what must match, train/identity.py), evaluation (train/evaluate.py), records and W&B
-(train/step_stats.py, train/report/tracking.py).
+(train/feature_cache.py), one process, DDP or FSDP2 (train/strategy.py), row order and LR
+schedule (train/schedule.py), replay (train/replay.py), one optimizer step (train/step.py),
+checkpoints and exact resume (train/checkpoint.py; what must match, train/identity.py),
+evaluation (train/evaluate.py), records and W&B (train/step_stats.py,
+train/report/tracking.py).
 
 With train.time_budget_s the run stops once that much training time (steps with their replay
 rollouts, not checkpoints or evaluations) is spent, and `train.steps` is a cap: how runs of
