@@ -37,6 +37,11 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from models.target import Target
 
@@ -303,22 +308,25 @@ def trainer_state(
     step: int,
     rows_consumed: int,
     world_size: int,
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     rng_all: list[dict],
     replay_all: list[dict] | None,
     train_s: float,
     schedule: dict | None = None,
+    strategy: str = "single",
 ) -> dict:
     """What a resumed run needs to continue exactly: the step and data position (rows of the
-    seeded stream consumed: train/schedule.py), optimizer and LR scheduler with the settings
-    of its schedule (train/schedule.py: schedule_settings), every rank's RNG states and
-    replay buffers, and the training seconds spent (a time budget's clock)."""
+    seeded stream consumed: train/schedule.py), optimizer state (`strategy` "fsdp": the full
+    state keyed by parameter name, train/strategy.py) and LR scheduler with the settings of
+    its schedule (train/schedule.py: schedule_settings), every rank's RNG states and replay
+    buffers, and the training seconds spent (a time budget's clock)."""
     return {
         "step": step,
         "rows_consumed": rows_consumed,
         "world_size": world_size,
-        "optimizer": optimizer.state_dict(),
+        "strategy": strategy,
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
         "schedule": schedule,
         "rng": rng_all,  # one entry per rank
@@ -338,20 +346,33 @@ def restore_trainer_state(
     sharded: bool = False,
 ) -> tuple[int, float]:
     """Load checkpoint `path` into the draft (strict), optimizer, scheduler, this rank's RNG
-    and replay buffer. -> (step, training seconds spent)."""
-    if sharded:
-        raise NotImplementedError(
-            "resume=true under FSDP is not supported: the checkpoint holds the main rank's "
-            "optimizer shard only. Resume with DDP (conf/accelerate/ddp.yaml) or start afresh."
-        )
+    and replay buffer. -> (step, training seconds spent). `sharded`: the draft is FSDP-sharded
+    (train/strategy.py); every rank loads the full state and keeps its own shard."""
     draft_state, _, state = load_checkpoint(path)
     if state["world_size"] != world_size:
         raise ValueError(
             f"{path} was written by {state['world_size']} processes; "
             f"resume with the same number (got {world_size})"
         )
-    draft.load_state_dict(draft_state, strict=True)
-    optimizer.load_state_dict(state["optimizer"])
+    saved = state.get("strategy", "single")  # checkpoints before the key: not FSDP
+    if (saved == "fsdp") != sharded:
+        fix = (
+            "conf/accelerate/fsdp.yaml"
+            if saved == "fsdp"
+            else "torchrun or conf/accelerate/ddp.yaml"
+        )
+        raise ValueError(
+            f"{path} was written by a {saved} run and this run is "
+            f"{'fsdp' if sharded else 'not fsdp'}: its optimizer state is laid out for the other; "
+            f"resume with {fix}"
+        )
+    if sharded:
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(draft, draft_state, options=options)
+        set_optimizer_state_dict(draft, optimizer, state["optimizer"], options=options)
+    else:
+        draft.load_state_dict(draft_state, strict=True)
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"][rank])
     if replay is not None and state.get("replay"):

@@ -285,9 +285,13 @@ def refusal(head: str, diffs: list[Difference], tail: str = "") -> str:
 
 
 # -- where they are used -------------------------------------------------------------------------
-def check_resume(cfg: DictConfig, ckpt: Path, target: Target, world_size: int) -> Resumed:
+def check_resume(
+    cfg: DictConfig, ckpt: Path, target: Target, world_size: int, strategy: str = "single"
+) -> Resumed:
     """Refuse (ValueError) a resume that would not continue the run of checkpoint `ckpt`;
-    else what it continues from, with a note per changed RESUME_CONTINUED setting."""
+    else what it continues from, with a note per changed RESUME_CONTINUED setting.
+    `strategy`: this run's (train/strategy.py); FSDP and the others save the optimizer
+    differently."""
     saved_cfg = saved_config(ckpt) or {}
     identity = read_identity(ckpt)
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
@@ -306,6 +310,13 @@ def check_resume(cfg: DictConfig, ckpt: Path, target: Target, world_size: int) -
             "processes", state["world_size"], world_size,
             hint=f"resume with {state['world_size']} processes: each rank's RNG state and "
             "replay buffer are saved for its own rank",
+        ))  # fmt: skip
+    saved_strategy = state.get("strategy", "single")  # written before the key: not FSDP
+    if (saved_strategy == "fsdp") != (strategy == "fsdp"):
+        diffs.append(Difference(
+            "strategy", saved_strategy, strategy,
+            hint="an FSDP checkpoint keys its optimizer state by parameter name, the others "
+            "by position: resume under the launch config it was written with",
         ))  # fmt: skip
     if diffs:
         other = (f"Or keep the new settings and start a new run from its weights: "

@@ -3,10 +3,11 @@
 Frozen target online, trainable draft, accelerate for devices and ranks. The pieces, in the
 order `run` uses them: the start-up checks (train/settings.py), data (train/data/), the
 draft and its warm start (train/formats/init_from.py), the feature cache
-(train/feature_cache.py), row order and LR schedule (train/schedule.py), replay
-(train/replay.py), one optimizer step (train/step.py), checkpoints and exact resume
-(train/checkpoint.py; what must match, train/identity.py), evaluation (train/evaluate.py), records and W&B
-(train/step_stats.py, train/report/tracking.py).
+(train/feature_cache.py), one process, DDP or FSDP2 (train/strategy.py), row order and LR
+schedule (train/schedule.py), replay (train/replay.py), one optimizer step (train/step.py),
+checkpoints and exact resume (train/checkpoint.py; what must match, train/identity.py),
+evaluation (train/evaluate.py), records and W&B (train/step_stats.py,
+train/report/tracking.py).
 
 With train.time_budget_s the run stops once that much training time (steps with their replay
 rollouts, not checkpoints or evaluations) is spent, and `train.steps` is a cap: how runs of
@@ -25,7 +26,7 @@ from pathlib import Path
 import hydra.utils
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
+from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -54,6 +55,15 @@ from train.schedule import global_rows, lr_lambda, rank_chunks, schedule_setting
 from train.settings import check_decode_context, check_settings, gpu_index
 from train.step import StepResult, StepSetup, TrainingDiverged, train_step
 from train.step_stats import StepWindow, proxy_tags
+from train.strategy import (
+    Strategy,
+    check_processes,
+    eval_draft,
+    full_state,
+    launch_strategy,
+    shard,
+    strategy_ran,
+)
 
 __all__ = ["TrainingDiverged", "run"]
 
@@ -196,20 +206,21 @@ class RunRecords:
 
 
 def checkpoint_and_evaluate(
-    cfg: DictConfig, accelerator: Accelerator, draft, core: DraftModel, optimizer, scheduler,
-    replay: Replay | None, target: Target, prepared: PreparedData, records: RunRecords,
-    log: RunLog, step: int, last: bool, train_s: float, loss: float,
+    cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, draft, core: DraftModel,
+    optimizer, scheduler, replay: Replay | None, target: Target, prepared: PreparedData,
+    records: RunRecords, log: RunLog, step: int, last: bool, train_s: float, loss: float,
 ) -> None:  # fmt: skip
     """Checkpoint `step` (every rank takes part in the gathers; the main rank writes) and,
     when due, evaluate it with the shared decoder (every rank decodes its share of the
-    prompts, train/evaluate.py; the main rank records)."""
+    prompts, train/evaluate.py; the main rank records) with the full draft, never the
+    FSDP-sharded module (train/strategy.py)."""
     tc, world = cfg.train, accelerator.num_processes
-    draft_state = accelerator.get_state_dict(draft)  # FSDP gathers the full state here
+    draft_state, optim_state = full_state(strategy, accelerator, draft, optimizer)  # gathers
     rng_all = gather_object([rng_state()])  # one entry per rank
     replay_all = gather_object([replay.state_dict()]) if replay is not None else None
     if accelerator.is_main_process:
-        state = trainer_state(step, records.rows_consumed, world, optimizer, scheduler, rng_all,
-                              replay_all, train_s, records.schedule)  # fmt: skip
+        state = trainer_state(step, records.rows_consumed, world, optim_state, scheduler, rng_all,
+                              replay_all, train_s, records.schedule, strategy.kind)  # fmt: skip
         records.last_checkpoint = str(save_checkpoint(
             cfg.run_dir, step, draft_state, OmegaConf.to_yaml(cfg.draft, resolve=True), state,
             tc.keep_last, meta={"loss": loss, "name": str(cfg.name)},
@@ -218,10 +229,11 @@ def checkpoint_and_evaluate(
     every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
     if tc.eval_at_ckpt and (last or not every or step % every == 0):
         rng = rng_state()  # evaluation must not shift the training RNG stream
-        result, records.decode_copies = evaluate_checkpoint(
-            target, core, prepared.eval_prompts, cfg, records.last_train, records.decode_copies,
-            Ranks.current(),
-        )  # fmt: skip
+        with eval_draft(strategy, core, draft_state, accelerator.device) as full:
+            result, records.decode_copies = evaluate_checkpoint(
+                target, full, prepared.eval_prompts, cfg, records.last_train,
+                records.decode_copies, Ranks.current(),
+            )  # fmt: skip
         set_rng_state(rng)
         result["step"] = step
         records.evals.append(result)
@@ -265,7 +277,9 @@ def run(cfg: DictConfig) -> dict:
 def train_run(cfg: DictConfig) -> dict:
     """`run` itself."""
     check_settings(cfg)  # every decode / replay / loop setting, before anything is loaded
+    strategy = launch_strategy(cfg)  # single / DDP / FSDP, or the launch refused with why
     accelerator = make_accelerator(cfg)
+    check_processes(strategy, accelerator)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes  # fmt: skip
     run_dir, tc = Path(cfg.run_dir), cfg.train
     resume_from = resume_checkpoint(run_dir, bool(cfg.resume), bool(cfg.overwrite))
@@ -280,7 +294,7 @@ def train_run(cfg: DictConfig) -> dict:
     target.to(accelerator.device)
     resumed: Resumed | None = None  # the saved run continued exactly, or refused here
     if resume_from is not None:
-        resumed = check_resume(cfg, resume_from, target, world)
+        resumed = check_resume(cfg, resume_from, target, world, strategy.kind)
         for note in resumed.notes if main else []:
             print(f"[resume] {note}", flush=True)
     elif cfg.draft.get("init_from"):
@@ -303,8 +317,11 @@ def train_run(cfg: DictConfig) -> dict:
             print(f"dtype {choice.describe()}", flush=True)
     if tc.bf16 == "auto" and accelerator.device.type == "cpu":
         setup = replace(setup, autocast=dtypes["train_draft"].dtype == "bfloat16")
+    if strategy.kind == "fsdp" and accelerator.mixed_precision == "bf16":
+        setup = replace(setup, autocast=True)  # accelerate's autocast comes with prepare only
     if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError("the draft has no trainable parameters; check draft.model settings")
+    draft = shard(strategy, draft, accelerator.device)  # FSDP: before the optimizer sees it
     oc, budget = cfg.optim, tc.get("time_budget_s")
     optimizer = torch.optim.AdamW(
         [p for p in draft.parameters() if p.requires_grad],
@@ -319,13 +336,14 @@ def train_run(cfg: DictConfig) -> dict:
     replay = make_replay(cfg, train_rows, offsets, pad_id, accelerator)
     start_step = 0
     if resume_from is not None:
-        fsdp = accelerator.distributed_type == DistributedType.FSDP
         start_step, clock["train_s"] = restore_trainer_state(
-            resume_from, draft, optimizer, scheduler, replay, rank, world, sharded=fsdp
-        )
-    draft, optimizer = accelerator.prepare(draft, optimizer)
+            resume_from, draft, optimizer, scheduler, replay, rank, world, strategy.kind == "fsdp"
+        )  # fmt: skip
+    if strategy.kind != "fsdp":  # sharded by shard() above, not by accelerate
+        draft, optimizer = accelerator.prepare(draft, optimizer)
     core = accelerator.unwrap_model(draft)
     params = [p for p in draft.parameters() if p.requires_grad]  # the prepared ones: clipped
+    ran = strategy_ran(strategy, accelerator, draft)  # refused if not what was launched
 
     # -- records: the run directory is created (or, with overwrite, cleared) only now ----
     if main:  # each segment keeps its own config: config.yaml, config.resume-<step>.yaml
@@ -383,9 +401,9 @@ def train_run(cfg: DictConfig) -> dict:
             log.write(record)
             records.last_train = record
         if done % tc.ckpt_every == 0 or last:
-            checkpoint_and_evaluate(cfg, accelerator, draft, core, optimizer, scheduler, replay,
-                                    target, prepared, records, log, done, last, clock["train_s"],
-                                    result.loss)  # fmt: skip
+            checkpoint_and_evaluate(cfg, accelerator, strategy, draft, core, optimizer, scheduler,
+                                    replay, target, prepared, records, log, done, last,
+                                    clock["train_s"], result.loss)  # fmt: skip
         if out_of_time:
             break
     bar.close()
@@ -401,6 +419,7 @@ def train_run(cfg: DictConfig) -> dict:
             "train_s": round(clock["train_s"], 2),  # steps + rollouts, all segments of the run
             "resumed_from": str(resume_from) if resume_from else None,
             "world_size": world,
+            "strategy": ran,  # what ran, read from the prepared draft (train/strategy.py)
             "wall_s": round(wall, 2),
             "steps_per_s": (done - start_step) / wall if wall > 0 else None,
             **window.totals(),  # tokens_per_s, target_time_share

@@ -270,7 +270,7 @@ class StepResult:
 
 def train_step(
     step: int,
-    draft: torch.nn.Module,  # as prepared by accelerate (DDP / FSDP wrapper)
+    draft: torch.nn.Module,  # as prepared: DDP-wrapped, FSDP2-sharded (train/strategy.py), bare
     core: DraftModel,  # the unwrapped draft
     target: Target,
     micro: list[dict[str, Tensor]],  # grad_accum micro-batches on the device

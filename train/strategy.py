@@ -1,0 +1,189 @@
+"""How a run spreads the draft over its processes: one process, DDP, or FSDP2.
+
+The launch asks: `torchrun` or `accelerate launch` set WORLD_SIZE, and `accelerate launch
+--config_file conf/accelerate/fsdp.yaml` adds ACCELERATE_USE_FSDP and one FSDP_* variable per
+`fsdp_config` key. accelerate runs FSDP on accelerators only: under `Accelerator(cpu=True)` an
+FSDP launch becomes plain multi-CPU DDP without a word. So the run shards the draft itself
+with FSDP2 (`torch.distributed.fsdp.fully_shard`: gloo on a CPU, NCCL on GPUs) and keeps it
+out of `accelerator.prepare`; DDP and single-process runs go through accelerate. A launch the
+run cannot honour is refused before any work, naming the setting that would fix it, and
+what ran is read back from the module itself (DDP-wrapped; parameters that are DTensors
+sharded over more than one rank) for summary.json's `strategy`.
+
+Under FSDP (the frozen target is never sharded: each rank runs its own copy):
+- each checkpoint gathers the full draft state on every rank (a collective); the main rank
+  writes it once, as full state (draft.safetensors loads in one process), with the full
+  optimizer state keyed by parameter name (`fsdp_optimizer_state`);
+- evaluation decodes an unsharded copy of the draft (kept on the CPU between evaluations and
+  loaded with the gathered state): the sharded module's forward all-gathers, so a rank
+  decoding alone would wait for the others forever;
+- resume loads the full state into the sharded draft and optimizer on every rank
+  (train/checkpoint.py: restore_trainer_state).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+FULL = StateDictOptions(full_state_dict=True)  # every rank gets the whole tensors
+FULL_ON_MAIN = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only, on CPU
+
+
+@dataclass
+class Strategy:
+    """What the launch asked for, checked (`launch_strategy`), and under FSDP how to shard."""
+
+    kind: str  # "single" | "ddp" | "fsdp"
+    world_size: int
+    reshard_after_forward: bool = True  # fsdp_reshard_after_forward
+    wrap_classes: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap: sharded one by one
+    wrapped: list[str] = field(default_factory=list)  # the modules sharded on their own
+    unsharded: nn.Module | None = None  # fsdp: the evaluation copy, on the CPU
+
+
+def _flag(env: Mapping[str, str], key: str, default: str = "false") -> bool:
+    return env.get(key, default).strip().lower() == "true"
+
+
+def launch_strategy(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> Strategy:
+    """The strategy the launch asks for, or a ValueError naming every FSDP setting this run
+    cannot honour (before anything is loaded)."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    if not _flag(env, "ACCELERATE_USE_FSDP"):
+        return Strategy("ddp" if world > 1 else "single", world)
+    problems = []
+    if env.get("FSDP_VERSION", "1") != "2":
+        problems.append(f"fsdp_version {env.get('FSDP_VERSION', '1')}: only FSDP2 (fully_shard) "
+                        "is run; set fsdp_config.fsdp_version: 2")  # fmt: skip
+    if world < 2:
+        problems.append(f"{world} process: FSDP over one process shards nothing; launch with "
+                        "--num_processes 2 or more, or without the FSDP config")  # fmt: skip
+    for key, fix in (
+        ("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params: false"),
+        ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing: false"),
+        ("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading: false"),
+    ):
+        if _flag(env, key):
+            problems.append(f"{key.lower()} is not implemented here; set {fix}")
+    if env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT") != "FULL_STATE_DICT":
+        problems.append(f"fsdp_state_dict_type {env['FSDP_STATE_DICT_TYPE']}: checkpoints are "
+                        "written once as full state; set FULL_STATE_DICT")  # fmt: skip
+    policy = env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP")
+    if policy not in ("NO_WRAP", "TRANSFORMER_BASED_WRAP"):
+        problems.append(f"fsdp_auto_wrap_policy {policy}: set TRANSFORMER_BASED_WRAP (the "
+                        "classes of fsdp_transformer_layer_cls_to_wrap) or NO_WRAP")  # fmt: skip
+    if cfg.get("replay") is not None and cfg.replay.enabled:
+        problems.append("replay.enabled=true: each rank decodes its own rollouts with the "
+                        "draft, which a sharded draft cannot do alone; set "
+                        "replay.enabled=false or launch with conf/accelerate/ddp.yaml")  # fmt: skip
+    if problems:
+        raise ValueError("the launch asks for FSDP, which this run cannot honour: "
+                         + "; ".join(problems))  # fmt: skip
+    classes = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "") if policy != "NO_WRAP" else ""
+    return Strategy(
+        "fsdp", world, _flag(env, "FSDP_RESHARD_AFTER_FORWARD", "true"),
+        tuple(c.strip() for c in classes.split(",") if c.strip()),
+    )  # fmt: skip
+
+
+def check_processes(strategy: Strategy, accelerator: Accelerator) -> None:
+    """The processes accelerate joined must be the ones the launch started."""
+    if accelerator.num_processes != strategy.world_size:
+        raise ValueError(
+            f"the launch started {strategy.world_size} processes but accelerate joined "
+            f"{accelerator.num_processes} ({accelerator.distributed_type}): this run would not "
+            "be the one launched. Launch with torchrun or accelerate launch --num_processes N."
+        )
+
+
+def shard(strategy: Strategy, draft: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP: keep an unsharded copy for evaluation (on the CPU), then fully_shard the modules
+    of `wrap_classes` one by one and the draft as a whole, in place. Else the draft as it is.
+    The optimizer must be built after this: fully_shard replaces the parameters."""
+    if strategy.kind != "fsdp":
+        return draft
+    strategy.unsharded = copy.deepcopy(draft).to("cpu").requires_grad_(False).eval()
+    mesh = init_device_mesh(device.type, (strategy.world_size,))
+    for name, module in draft.named_modules():
+        if name and type(module).__name__ in strategy.wrap_classes:
+            fully_shard(module, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+            strategy.wrapped.append(name)
+    fully_shard(draft, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+    return draft
+
+
+def draft_sharded(draft: nn.Module) -> bool:
+    """True when the draft's parameters are DTensors sharded over more than one rank."""
+    return any(
+        isinstance(p, DTensor)
+        and p.device_mesh.size() > 1
+        and any(pl.is_shard() for pl in p.placements)
+        for p in draft.parameters()
+    )
+
+
+def strategy_ran(strategy: Strategy, accelerator: Accelerator, draft: nn.Module) -> dict:
+    """What ran, read from the prepared module; refused when it is not what was launched."""
+    ran = (
+        "fsdp" if isinstance(draft, FSDPModule)
+        else "ddp" if isinstance(draft, DistributedDataParallel) else "single"
+    )  # fmt: skip
+    sharded = draft_sharded(draft)
+    if ran != strategy.kind or sharded != (strategy.kind == "fsdp"):
+        raise RuntimeError(
+            f"the launch asked for {strategy.kind} over {strategy.world_size} processes but "
+            f"the draft is {ran} (sharded: {sharded}) after preparation; refusing to train "
+            "under another strategy than the one launched"
+        )
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    record = {"kind": ran, "world_size": accelerator.num_processes, "draft_sharded": sharded,
+              "backend": backend, "device": str(accelerator.device)}  # fmt: skip
+    if ran == "fsdp":
+        record["fsdp_units"] = [*strategy.wrapped, "<draft>"]
+        record["reshard_after_forward"] = strategy.reshard_after_forward
+    return record
+
+
+def full_state(
+    strategy: Strategy, accelerator: Accelerator, draft: nn.Module, optimizer
+) -> tuple[dict, dict]:
+    """(the draft's full state dict, the optimizer's state) for a checkpoint; every rank
+    must call it (FSDP gathers). Under FSDP every rank gets the full draft (to evaluate),
+    the main rank the full optimizer state keyed by parameter name."""
+    if strategy.kind == "fsdp":
+        model = get_model_state_dict(draft, options=FULL)
+        return model, get_optimizer_state_dict(draft, optimizer, options=FULL_ON_MAIN)
+    return accelerator.get_state_dict(draft), optimizer.state_dict()
+
+
+@contextmanager
+def eval_draft(strategy: Strategy, core: nn.Module, state: dict, device: torch.device):
+    """The draft evaluation decodes: the module itself, or under FSDP the unsharded copy
+    loaded with the gathered `state`, on `device` while in use."""
+    if strategy.kind != "fsdp":
+        yield core
+        return
+    copy_ = strategy.unsharded
+    copy_.load_state_dict(state, strict=True)
+    try:
+        yield copy_.to(device)
+    finally:
+        copy_.to("cpu")
