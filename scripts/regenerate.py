@@ -4,6 +4,7 @@
     python scripts/regenerate.py data=tiny target=tiny_random     # a smoke test
     python scripts/regenerate.py data=local data.source=chats.jsonl target=hf target.path=DIR
     python scripts/regenerate.py data.num_train=16 --samples 2   # measure tokens/s
+    python scripts/regenerate.py data.regen_backend=openai data.regen_model=NAME  # a server answers
 
 Arguments are Hydra overrides of the `target` and `data` groups (conf/) plus `device=`.
 A rerun resumes from the cache; prints the dataset stats (sizes, regeneration tokens/s)
@@ -25,6 +26,7 @@ from omegaconf import OmegaConf
 
 from train.data.prepare import prepare_data
 from train.data.sources import check_source
+from train.settings import check_regen_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +61,7 @@ def main() -> None:
             "target=NAME data=NAME data.KEY=VALUE target.KEY=VALUE device=cpu; no +experiment=)"
         ) from None
     check_source(cfg.data.source)  # a missing or empty file, before the target loads
+    check_regen_backend(cfg.data)  # the backend's settings, likewise
 
     t0 = time.perf_counter()
     target = instantiate(cfg.target)

@@ -24,6 +24,7 @@ from decoding.tree import TreeSpec
 from decoding.verify import check_sampling
 from models.dtypes import resolve_dtype
 from models.target import Target
+from train.data.regen_openai import check_backend_settings
 from train.data.sources import check_source
 from train.formats.init_from import detect_format
 from train.losses import LossSpec
@@ -203,6 +204,21 @@ def check_decode_context(target: Target, dec: DictConfig, eval_prompts: list[dic
     )  # fmt: skip
 
 
+def check_regen_backend(data: DictConfig) -> None:
+    """data.regen_backend and its server settings (no network: the server is asked when
+    prompts are left to answer, train/data/regen_openai.py)."""
+    if not data.get("regenerate", True):
+        return
+    request = data.get("regen_request")
+    if isinstance(request, DictConfig):
+        request = OmegaConf.to_container(request, resolve=True)
+    check_backend_settings(
+        data.get("regen_backend", "hf"), data.get("regen_url"), data.get("regen_model"),
+        data.get("regen_concurrency", 8), data.get("regen_retries", 3),
+        data.get("regen_timeout", 600), request, data.get("chat_template"),
+    )  # fmt: skip
+
+
 def check_unset(cfg: DictConfig) -> None:
     """A mandatory value left at ??? (target=hf's target.path, data=local's data.source)."""
     unset = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra."))
@@ -250,6 +266,7 @@ def check_settings(cfg: DictConfig) -> None:
     check_loss_and_optim(cfg)
     check_decode(cfg.decode)
     check_dtype("data.regen_dtype", cfg.data.get("regen_dtype", "auto"))
+    check_regen_backend(cfg.data)
     check_dtype("target.dtype", cfg.target.get("dtype", "float32"))
     if cfg.train.bf16 not in (True, False, "auto"):
         raise ValueError(

@@ -27,6 +27,7 @@ from models.target import Target
 from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
 from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
 from train.data.raw_chunks import raw_chunk_conversations
+from train.data.regen_openai import check_backend_settings, regenerate_openai
 from train.data.regenerate import regenerate as regenerate_responses
 from train.data.sources import load_conversations
 from train.ranks import Ranks
@@ -95,6 +96,13 @@ def prepare_data(
     top_p: float = 1.0,
     regen_batch_size: int = 16,
     regen_dtype: str = "auto",
+    regen_backend: str = "hf",
+    regen_url: str | None = None,
+    regen_model: str | None = None,
+    regen_concurrency: int = 8,
+    regen_retries: int = 3,
+    regen_timeout: float = 600.0,
+    regen_request: dict | None = None,
     seed: int = 0,
     cache_dir: str | None = None,
     stdlib_files: int = 150,
@@ -114,9 +122,17 @@ def prepare_data(
 
     `ranks` (train/ranks.py): every rank of a run calls this and answers its share of the
     prompts; rank 0 picks the regeneration dtype for all of them; every rank gets the
-    same data.
+    same data. `regen_backend`: hf (HF generate in this process, in `regen_dtype`,
+    `regen_batch_size` rows a batch) or openai (an OpenAI-compatible server: the other
+    regen_* settings, train/data/regen_openai.py; rank 0 sends the requests, the server
+    batches them, the other ranks read its cache).
     """
     ranks = ranks or Ranks()
+    if regenerate:
+        check_backend_settings(
+            regen_backend, regen_url, regen_model, regen_concurrency, regen_retries,
+            regen_timeout, regen_request, chat_template,
+        )  # fmt: skip
     tok = target.tokenizer
     try:
         template = resolve_chat_template(tok, chat_template)
@@ -208,7 +224,7 @@ def prepare_data(
         if regenerate and len(ids) > max_prompt:  # no room left for the answer
             stats["skipped_long_prompt"] += 1
             continue
-        items.append({**c, "ids": ids, "flags": flags})
+        items.append({**c, "ids": ids, "flags": flags, "prompt_messages": prompt})
     items, rest = (items[:num_train], items[num_train:]) if num_train else (items, [])
     for it in items:
         it["stream"] = "regen" if regenerate else "source"
@@ -220,29 +236,41 @@ def prepare_data(
             f"set data.max_new_tokens<={window - longest if window else max_new_tokens}, or a "
             "smaller data.max_len (prompts over data.max_len/2 are dropped)",
         )  # fmt: skip
-        choice = None  # one verdict for every rank: they must answer in the same dtype
-        if ranks.main:
-            choice = regen_dtype_choice(
-                target, regen_dtype, items, regen_batch_size, max_new_tokens, cache_dir
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+        if regen_backend == "openai":  # a server answers (its dtype is its own)
+            if not ranks.main:  # rank 0 fills the cache; the others then read it
+                ranks.barrier()
+            answers, stats["regen"] = regenerate_openai(
+                target, [it["ids"] for it in items], [it["prompt_messages"] for it in items],
+                url=regen_url, model=regen_model, concurrency=regen_concurrency,
+                retries=regen_retries, timeout=regen_timeout, request=regen_request,
+                **sampling, seed=seed, cache_dir=cache_dir, chat_template=template,
+                progress=progress and ranks.main,
+            )  # fmt: skip
+            if ranks.main:
+                ranks.barrier()
+        else:
+            choice = None  # one verdict for every rank: they must answer in the same dtype
+            if ranks.main:
+                choice = regen_dtype_choice(
+                    target, regen_dtype, items, regen_batch_size, max_new_tokens, cache_dir
+                )
+            choice = ranks.broadcast(choice)
+            stats["regen_dtype"] = choice.as_record()
+            if progress and ranks.main and choice.source != "explicit":
+                print(f"dtype {choice.describe()}", flush=True)
+            answers, stats["regen"] = regenerate_responses(
+                target,
+                [it["ids"] for it in items],
+                **sampling,
+                batch_size=regen_batch_size,
+                dtype=choice.dtype,
+                seed=seed,
+                cache_dir=cache_dir,
+                chat_template=template,
+                progress=progress,
+                ranks=ranks,
             )
-        choice = ranks.broadcast(choice)
-        stats["regen_dtype"] = choice.as_record()
-        if progress and ranks.main and choice.source != "explicit":
-            print(f"dtype {choice.describe()}", flush=True)
-        answers, stats["regen"] = regenerate_responses(
-            target,
-            [it["ids"] for it in items],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            batch_size=regen_batch_size,
-            dtype=choice.dtype,
-            seed=seed,
-            cache_dir=cache_dir,
-            chat_template=template,
-            progress=progress,
-            ranks=ranks,
-        )
         for it, answer in zip(items, answers, strict=True):
             # The target's own tokens, EOS included when it stopped; all of them trained.
             it["ids"], it["flags"] = (
