@@ -107,10 +107,8 @@ class Compiled:
             raise ValueError(f"compile mode {mode!r}; resolve it first (resolve_mode)")
         # Drafters compile one step per module and width (MTP: one module per depth); the
         # default limit of 8 graphs per code object would silently fall back to eager.
-        # (torch 2.7 renamed cache_size_limit to recompile_limit.)
         dynamo = torch._dynamo.config
-        limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-        setattr(dynamo, limit, max(getattr(dynamo, limit), 64))
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         self.freeze = freeze and mode != "aot_eager"
         self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
         self.fn = torch.compile(
