@@ -73,16 +73,21 @@ STATS = CompileStats()
 
 
 @cache
-def _count_recordings() -> None:
+def counts_recordings() -> bool:
     """Count every CUDA-graph recording in STATS (torch announces each to dynamo's callbacks;
-    registered once, when the first `Compiled` is built)."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
+    registered once, when the first `Compiled` is built). False where this torch announces
+    none (before 2.8: no CallbackTrigger): STATS.cudagraphs then stays 0, uncounted."""
+    try:
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+    except ImportError:
+        return False
 
     def count(args) -> None:
         if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
             STATS.cudagraphs += 1
 
     callback_handler.register_start_callback(count)
+    return True
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -127,11 +132,9 @@ class Compiled:
             raise ValueError(f"compile mode {mode!r}; resolve it first (resolve_mode)")
         # Drafters compile one step per module and width (MTP: one module per depth); the
         # default limit of 8 graphs per code object would silently fall back to eager.
-        # (torch 2.7 renamed cache_size_limit to recompile_limit.)
         dynamo = torch._dynamo.config
-        limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-        setattr(dynamo, limit, max(getattr(dynamo, limit), 64))
-        _count_recordings()
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+        counts_recordings()
         self.freeze = freeze and mode != "aot_eager"
         self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
         self.fn = torch.compile(

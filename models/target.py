@@ -21,22 +21,11 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import transformers
-from packaging.version import Version
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from models.dtypes import cast_keep_rotary
 from models.identity import weights_fingerprint
-
-# The forwards take `cache=` and return `.cache` from transformers 5.24 on; an older one takes
-# `past_key_values=` and drops an unknown `cache=` into **kwargs without a word, so every
-# cached forward would see only its new tokens. Refuse it here rather than decode garbage.
-if Version(transformers.__version__).release < (5, 24):
-    raise ImportError(
-        f"draftlab needs transformers >= 5.24 (found {transformers.__version__}): older "
-        "versions silently ignore the forward's cache= keyword. pip install 'transformers>=5.24,<6'"
-    )
 
 
 @dataclass

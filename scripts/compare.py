@@ -62,12 +62,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
+    out = Path(args.out)  # where the report goes, checked before any run is read
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory for the report")
+    above = next(p for p in out.parents if p.exists())
+    if not above.is_dir():
+        raise ValueError(f"--out {out}: {above} is a file, not a directory")
     runs = find_runs(args.paths)
     keys = args.by.split(",") if args.by else None
     if keys:
         unknown = [k for k in keys if all(k not in r.flat for r in runs)]
         if unknown:
-            raise SystemExit(
+            raise ValueError(
                 f"--by {','.join(unknown)}: no run has this config field; fields that differ "
                 f"here: {group_keys(runs) or 'none'} (dotted paths into config.yaml)"
             )

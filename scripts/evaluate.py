@@ -276,6 +276,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--out", type=Path, default=None, metavar="FILE.json", help="also write the metrics here"
     )
     args = parser.parse_intermixed_args(argv)
+    if args.out is not None:  # checked here, not after the decoding
+        above = next(p for p in args.out.parents if p.exists())
+        if args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a directory; give a file path (FILE.json)")
+        if not above.is_dir():
+            raise ValueError(f"--out {args.out}: {above} is a file, not a directory")
 
     ckpt = None
     if args.init_from is not None:

@@ -24,6 +24,7 @@ from train.formats.eagle import hub_id
 from train.formats.export import (
     FORMATS,
     ExportError,
+    check_out_dir,
     check_served_settings,
     checkpoint_config,
     export,
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> Path:
             verifier = verifier or hub_id(cfg.get("target") or {})
             k = k if k is not None else (cfg.get("decode") or {}).get("k")
         check_served_settings(args.format, verifier, k)
+        check_out_dir(args.out, args.overwrite)  # before the target loads
     except ExportError as err:
         sys.exit(f"export refused, nothing written: {err}")
     draft, target = load_run_draft(args.checkpoint, device=args.device)
@@ -84,5 +86,5 @@ def main(argv: list[str] | None = None) -> Path:
 if __name__ == "__main__":
     try:
         main()
-    except (FileNotFoundError, ValueError) as err:  # a refusal: one line, no traceback
+    except (FileNotFoundError, FileExistsError, ValueError) as err:  # one line, no traceback
         sys.exit(f"export.py: error: {err}")

@@ -21,17 +21,17 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from train.data.prepare import prepare_data
 from train.data.sources import check_source
+from train.formats.export import load_target
 from train.settings import check_regen_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -40,7 +40,7 @@ def main() -> None:
     )
     parser.add_argument("--samples", type=int, default=0, help="print this many training rows")
     parser.add_argument("--json", type=Path, default=None, help="also write the stats here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     # Compose just the two groups this needs (train.yaml also pulls draft/optim/...).
     chosen = {"target": "smollm2_135m", "data": "default", "device": "auto"}
@@ -51,6 +51,15 @@ def main() -> None:
             chosen[key] = value
         else:
             rest.append(o)
+    for group in ("target", "data"):  # Hydra's own message lists its whole search path
+        if not (ROOT / "conf" / group / f"{chosen[group]}.yaml").is_file():
+            known = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+            raise ValueError(
+                f"{group}={chosen[group]}: there is no conf/{group}/{chosen[group]}.yaml; "
+                f"conf/{group} has {known}"
+            )
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        raise ValueError(f"--json {args.json}: give a file in an existing directory")
     overrides = [f"+{k}={v}" for k, v in chosen.items()] + rest
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -64,7 +73,7 @@ def main() -> None:
     check_regen_backend(cfg.data)  # the backend's settings, likewise
 
     t0 = time.perf_counter()
-    target = instantiate(cfg.target)
+    target = load_target(cfg)  # the loader's own error (a missing target.path), not Hydra's
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     data = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))

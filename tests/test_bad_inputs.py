@@ -2,7 +2,7 @@
 nothing is left half-written (docs/bad_inputs.md lists each case and its message): a k the
 draft cannot draft, unusable data sources, prompts beyond the target's context window, a
 second run into a run directory, a refused start's run directory, Ctrl-C in regeneration or
-in a checkpoint write."""
+in a checkpoint write, torch or transformers below the version floors."""
 
 import importlib.util
 import json
@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 import train.data.prepare
 import train.loop
 from decoding.spec import generate
+from models.versions import check_versions
 from tests.helpers import ROOT, compose_debug, openai_row, sharegpt_row, write_rows
 from train.checkpoint import checkpoint_damage, list_checkpoints, save_checkpoint
 from train.data.prepare import prepare_data
@@ -26,9 +27,17 @@ from train.data.regenerate import regenerate
 from train.run_files import write_atomic
 from train.settings import check_settings
 
-spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-ev = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ev)
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ev, export_script, compare_script, regenerate_script = map(
+    load_script, ("evaluate", "export", "compare", "regenerate")
+)
 
 
 def no_loading(*args, **kwargs):
@@ -280,3 +289,85 @@ def test_write_atomic_keeps_the_old_file_on_ctrl_c(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         write_atomic(path, "new")
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+# -- torch / transformers below the floors (models/versions.py) --------------------------
+
+
+@pytest.mark.parametrize(
+    "torch_version, transformers_version, named",
+    [
+        ("2.6.0+cu124", "5.24.0", ["torch >= 2.7 (found 2.6.0+cu124"]),
+        ("2.7.1", "5.23.0", ["transformers >= 5.24 (found 5.23.0"]),
+        ("2.5.1", "5.0.0", ["torch >= 2.7 (found 2.5.1", "transformers >= 5.24 (found 5.0.0"]),
+    ],
+)
+def test_versions_below_the_floors_are_refused(torch_version, transformers_version, named):
+    with pytest.raises(ImportError) as err:
+        check_versions(torch_version, transformers_version)
+    message = str(err.value)
+    assert all(n in message for n in named), message
+    assert "pip install 'torch>=2.7' 'transformers>=5.24,<6'" in message
+
+
+@pytest.mark.parametrize("versions", [("2.7.0", "5.24.0"), ("2.13.0+cpu", "5.24.0"),
+                                      ("2.8.0a0+git1234", "5.30.0.dev0")])  # fmt: skip
+def test_versions_at_or_above_the_floors_pass(versions):
+    check_versions(*versions)
+
+
+def test_the_check_runs_when_models_is_imported():
+    # A fresh interpreter with torch claiming 2.6: `import models.target` refuses, naming it.
+    code = "import torch; torch.__version__ = '2.6.0'; import models.target"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "ImportError: draftlab needs torch >= 2.7 (found 2.6.0" in proc.stderr, proc.stderr
+
+
+# -- the scripts' own arguments (docs/bad_inputs.md, Scripts) ------------------------------
+
+
+def test_script_outputs_in_the_way_are_refused_before_any_work(tmp_path, monkeypatch):
+    # A non-empty --out used to be found only after the target and draft loaded (export), a
+    # file in the report's place after every run was read (compare), and evaluate.py's --out
+    # after the whole decoding; compare and export ended in a raw FileExistsError traceback.
+    monkeypatch.setattr(export_script, "load_run_draft", no_loading)
+    monkeypatch.setattr(compare_script, "find_runs", no_loading)
+    monkeypatch.setattr(ev, "find_checkpoint", no_loading)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("x")
+    file = tmp_path / "full" / "f"
+    export = [str(tmp_path / "ckpt"), "--format", "hf", "--out"]
+    with pytest.raises(FileExistsError, match=r"full exists and is not empty; pass --overwrite"):
+        export_script.main([*export, str(tmp_path / "full")])
+    with pytest.raises(FileExistsError, match=r"full/f is a file, not a directory"):
+        export_script.main([*export, str(file / "draft")])
+    with pytest.raises(ValueError, match=r"--out .*full/f is a file; give a directory"):
+        compare_script.main([str(tmp_path), "--out", str(file)])
+    with pytest.raises(ValueError, match=r"--out .*full is a directory; give a file path"):
+        ev.main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "full")])
+    with pytest.raises(ValueError, match=r"full/f is a file, not a directory"):
+        ev.main([str(tmp_path / "ckpt"), "--out", str(file / "ev.json")])
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt", "f", "full"]
+
+
+def test_compare_names_a_damaged_run_file(tmp_path):
+    # A cut summary.json used to end in json's bare "Expecting value: line 1 column 1".
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: x\n")
+    (run / "summary.json").write_text('{"final": ')
+    with pytest.raises(ValueError, match=r"run/summary.json is damaged, not JSON"):
+        compare_script.main([str(run), "--out", str(tmp_path / "report")])
+    assert not (tmp_path / "report").exists()
+
+
+def test_regenerate_refuses_an_unknown_group_or_target_path_in_one_line(tmp_path):
+    # Hydra's message for target=nope listed its whole search path; a missing target.path
+    # ended in Hydra's InstantiationException traceback around the loader's own message.
+    with pytest.raises(ValueError, match=r"target=nope: there is no conf/target/nope.yaml; "
+                                         r"conf/target has \[.*'tiny_random'"):  # fmt: skip
+        regenerate_script.main(["target=nope", "data=tiny"])
+    with pytest.raises(FileNotFoundError, match=r"target.path='.*nope' does not exist"):
+        regenerate_script.main(["target=hf", f"target.path={tmp_path / 'nope'}", "data=tiny"])

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.compiled import STATS, CompiledTarget
+from decoding.compiled import STATS, CompiledTarget, counts_recordings
 from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
 from decoding.metrics import decode_prompts, merge_decoded, summarize
@@ -288,7 +288,8 @@ def evaluate_checkpoint(
         result["speedup_compiled"] = result[f"{first}/compiled_speedup"]
         result["compile_s"] = STATS.seconds - seconds  # 0 once a run's graphs exist
         result["compiled_graphs"] = STATS.graphs - graphs
-        result["compiled_cudagraphs"] = STATS.cudagraphs - recorded  # CUDA-graph recordings
+        # CUDA-graph recordings; None where this torch does not announce them
+        result["compiled_cudagraphs"] = STATS.cudagraphs - recorded if counts_recordings() else None
     return result, target_eval
 
 

@@ -261,7 +261,8 @@ def check_served_settings(fmt: str, verifier: str | None, speculative_tokens: in
         given = [n for n, v in (("--verifier", verifier), ("--speculative-tokens",
                                                              speculative_tokens)) if v is not None]  # fmt: skip
         if given:
-            raise ExportError(f"{' and '.join(given)}: only --format speculators writes them")
+            them = "them" if len(given) > 1 else "it"
+            raise ExportError(f"{' and '.join(given)}: only --format speculators writes {them}")
         return
     if not verifier or not verifier.strip():
         raise ExportError(
@@ -276,6 +277,20 @@ def check_served_settings(fmt: str, verifier: str | None, speculative_tokens: in
             f"vLLM's default num_speculative_tokens); got {speculative_tokens!r}: pass "
             "--speculative-tokens K >= 1 (scripts/export.py defaults it to the run's decode.k)"
         )
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """--out can take the export: not a non-empty directory (without --overwrite) or a file,
+    and under a directory (scripts/export.py checks it before the target loads)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(
+            f"{out} exists and is not empty; pass --overwrite to replace it, or another --out"
+        )
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; give a directory")
+    above = next(p for p in out.parents if p.exists())  # the root always exists
+    if not above.is_dir():
+        raise FileExistsError(f"--out {out}: {above} is a file, not a directory")
 
 
 # -- the entry point ---------------------------------------------------------------------------
@@ -307,10 +322,7 @@ def export(
         ),
     }
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise FileExistsError(
-            f"{out} exists and is not empty; pass --overwrite to replace it, or another --out"
-        )
+    check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

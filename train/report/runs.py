@@ -107,11 +107,21 @@ def load_run(path: str | Path) -> Run:
             "(train/loop.py writes summary.json when a run ends; point at finished runs)"
         )
     config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
-    summary = json.loads((path / "summary.json").read_text())
+    summary = read_json(path / "summary.json", (path / "summary.json").read_text())
     metrics = path / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
-    records = [json.loads(x) for x in lines if x.strip()]
+    records = [read_json(metrics, x) for x in lines if x.strip()]
     return Run(path, config, summary, records, flatten(config))
+
+
+def read_json(path: Path, text: str):
+    """json.loads, a damaged file named (compare.py prints one line, not a traceback)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path} is damaged, not JSON ({err}); leave that run out of the paths given"
+        ) from None
 
 
 def find_runs(paths: Iterable[str | Path]) -> list[Run]:
