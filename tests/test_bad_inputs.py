@@ -371,3 +371,10 @@ def test_regenerate_refuses_an_unknown_group_or_target_path_in_one_line(tmp_path
         regenerate_script.main(["target=nope", "data=tiny"])
     with pytest.raises(FileNotFoundError, match=r"target.path='.*nope' does not exist"):
         regenerate_script.main(["target=hf", f"target.path={tmp_path / 'nope'}", "data=tiny"])
+
+
+def test_a_setting_the_draft_builder_does_not_take_is_named(tmp_path):
+    """+experiment=debug sets draft_lm's keys; with another kind they were a raw TypeError."""
+    with pytest.raises(ValueError, match=r"takes no setting 'num_layers'.*~draft.model.num_layers"):
+        train.loop.run(compose_debug(tmp_path / "run", "draft=eagle"))
+    assert not (tmp_path / "run").exists()

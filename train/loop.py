@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -74,8 +75,16 @@ def instantiate(node: DictConfig, **kwargs):
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as err:
-        if isinstance(err.__cause__, ValueError | FileNotFoundError | TypeError):
-            raise err.__cause__ from None
+        cause = err.__cause__
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
+        if isinstance(cause, TypeError) and unknown:  # e.g. +experiment=debug draft=eagle
+            raise ValueError(
+                f"{node.get('_target_')} takes no setting {unknown[1]!r} (set in this group's "
+                "config or by an experiment written for another kind); remove it, e.g. "
+                f"~draft.model.{unknown[1]} when it is a draft setting"
+            ) from None
+        if isinstance(cause, ValueError | FileNotFoundError | TypeError):
+            raise cause from None
         raise
 
 
