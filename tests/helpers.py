@@ -33,7 +33,7 @@ PROMPTS = ["hello there", "write a poem about the sea", "Q: capital of France?"]
 # (not auto: a test's outcome must not depend on the machine): a run small enough for a test.
 # Fixed dtypes, not auto: the tests' outcomes must not depend on the machine.
 TINY_CPU_RUN = ("target=tiny_random", "data=tiny", "logger=none", "device=cpu", "decode.dtype=bf16",
-                "decode.draft_dtype=bf16", "train.bf16=false")  # fmt: skip
+                "decode.draft_dtype=bf16", "decode.same_dtype_ar=true", "train.bf16=false")  # fmt: skip
 
 
 # -- configs and run directories ---------------------------------------------------------

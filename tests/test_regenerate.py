@@ -116,3 +116,24 @@ def test_regeneration_leaves_the_callers_random_stream_alone(tiny_target, tmp_pa
         torch.manual_seed(123)
         after_nothing = torch.rand(4)
         assert torch.equal(after_generating, after_nothing)
+
+
+def test_batched_answers_end_per_row_and_equal_each_rows_greedy_output(tiny_target):
+    """answer_batch: rows of different lengths, each ended by its own EOS (then it leaves the
+    batch) or by the budget, give what plain argmax decoding of that row alone gives."""
+    from decoding.rounds import GREEDY
+    from train.data.answer_batch import answer_batch
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (5, 9, 7, 12)]
+    free = [greedy_tokens(tiny_target, p, 10) for p in prompts]  # no EOS of ours yet
+    # Each row's 3rd / 6th token as end tokens: rows stop at different steps (or never).
+    eos = [free[0][2], free[1][5], *tiny_target.eos_token_ids]
+    answers = answer_batch(tiny_target, prompts, 10, GREEDY, eos, pad_id=0)
+
+    def cut(tokens: list[int]) -> list[int]:
+        stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+        return tokens if stop is None else tokens[: stop + 1]
+
+    assert answers == [cut(t) for t in free]
+    assert len(answers[0]) <= 3 and len({len(a) for a in answers}) > 1  # rows left early

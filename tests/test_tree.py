@@ -417,7 +417,9 @@ def test_checkpoint_evaluation_uses_the_configured_tree(target, decode, kind):
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     overrides = [f"decode={decode}", "decode.temperatures=[0.0,1.0]", "decode.max_new_tokens=12"]
     with initialize_config_dir(config_dir=conf, version_base=None):
-        cfg = compose("train", overrides=[*overrides, "decode.dtype=fp32"])
+        cfg = compose(
+            "train", overrides=[*overrides, "decode.dtype=fp32", "decode.same_dtype_ar=true"]
+        )
     draft = medusa.from_target(target) if kind == "medusa" else build_eagle(target)
     prompts = [{"input_ids": prompt_ids(target, p)[0].tolist()} for p in PROMPTS]
     result, _ = evaluate_checkpoint(target, draft, prompts, cfg, last_train=None)

@@ -260,8 +260,9 @@ def evaluate_checkpoint(
         )
         with torch.no_grad():
             share = decode_prompts(
-                decode_target, drafter, prompts, mine, baseline=target_eval.baseline, **kw
-            )
+                decode_target, drafter, prompts, mine, baseline=target_eval.baseline,
+                same_dtype_ar=bool(dec.get("same_dtype_ar", True)), **kw,
+            )  # fmt: skip
             parts = ranks.gather(share)
             if ranks.world > 1:  # which rank decoded which prompts
                 result["prompts_by_rank"] = [part.indices for part in parts]

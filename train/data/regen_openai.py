@@ -27,7 +27,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -327,7 +327,9 @@ def regenerate_openai(
                 for i in todo
             }
             while pending:
-                finished_now, _ = wait(pending, return_when=FIRST_EXCEPTION)
+                # FIRST_COMPLETED, not FIRST_EXCEPTION: the latter waits for every request
+                # unless one fails, so no answer reached the file (or the bar) before the last.
+                finished_now, _ = wait(pending, return_when=FIRST_COMPLETED)
                 failed = [f for f in finished_now if f.exception() is not None]
                 for future in finished_now:  # the answers first, then the failure
                     i = pending.pop(future)

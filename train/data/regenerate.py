@@ -32,8 +32,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from decoding.drafter import Sampling
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
+from train.data.answer_batch import answer_batch
 from train.ranks import Ranks
 from train.run_files import write_atomic
 
@@ -215,17 +217,15 @@ def regenerate(
         "cache": str(shard),
     }
     if mine:
-        # bf16 for generation: fp32 matmuls with a few rows are pathologically slow on CPU.
-        model = target.model
+        answering = target  # in the generation dtype: the faster one on this machine (auto)
         gen_dtype = resolve_dtype(dtype)
-        if model.dtype != gen_dtype:
-            model = cast_keep_rotary(copy.deepcopy(model), gen_dtype)  # float32 rotary
+        if target.dtype != gen_dtype:  # float32 rotary (models/dtypes.py)
+            model = cast_keep_rotary(copy.deepcopy(target.model), gen_dtype)
+            answering = Target(model, target.tokenizer, name=target.name)
         eos = set(target.eos_token_ids)
         pad_id = target.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else target.eos_token_ids[0]
-        sampling = {"do_sample": False}
-        if temperature > 0:
-            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        sampling = Sampling(temperature=temperature, top_p=top_p)
         bar = tqdm(total=sum(len(batch) for _, batch in mine), desc="regenerate", unit="prompt",
                    disable=not (progress and ranks.main))  # fmt: skip
         t0 = time.perf_counter()
@@ -233,26 +233,13 @@ def regenerate(
             if not _ends_with_newline(shard):  # a crash left a partial last line: end it
                 out.write("\n")
             for b, batch in mine:
-                width = max(len(prompts[i]) for i in batch)
-                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, L]
-                attention_mask = torch.zeros_like(input_ids)  # [B, L], left padded
-                for row, i in enumerate(batch):
-                    input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-                    attention_mask[row, width - len(prompts[i]) :] = 1
-                # generate samples from the global RNG: seed it per batch inside a fork, so
-                # the caller's stream (a training run's draft init) is the same whether the
-                # answers were generated now or read from the cache.
-                cuda = [target.device] if target.device.type == "cuda" else []
-                with torch.random.fork_rng(devices=cuda):
-                    torch.manual_seed(seed + b)
-                    generated = model.generate(
-                        input_ids=input_ids.to(target.device),
-                        attention_mask=attention_mask.to(target.device),
-                        max_new_tokens=max_new_tokens,
-                        eos_token_id=sorted(eos),
-                        pad_token_id=pad_id,
-                        **sampling,
-                    )[:, width:].tolist()  # [B, <= max_new_tokens]
+                # Batch b's own generator: its answers are the same whichever rank answers
+                # it, and the caller's random stream (a run's draft init) is left alone.
+                generator = torch.Generator(target.device).manual_seed(seed + b)
+                generated = answer_batch(
+                    answering, [prompts[i] for i in batch], max_new_tokens, sampling,
+                    sorted(eos), pad_id, generator,
+                )  # fmt: skip
                 lines = []
                 for i, new in zip(batch, generated, strict=True):
                     stop = next((j for j, t in enumerate(new) if t in eos), None)
