@@ -40,7 +40,8 @@ head (with a reduced vocabulary, models/vocab.py: its rows at the draft ids `voc
 Trained: fc, hidden_norm, the layers, norm (initialised from the target's final norm) and
 `mask_embedding`, the one input vector of every mask position (DFlash uses a spare token id
 of the target's vocabulary; a learned vector needs none). Domino (models/domino.py) adds a
-causal correction head to this backbone.
+causal correction head to this backbone. Both build their layers from models/dflash_layer.py
+and start from the target through models/dflash_init.py.
 """
 
 from __future__ import annotations
@@ -51,108 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    rotate_half,
-)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from models import vocab
+from models.dflash_init import check_layers, draft_sizes, draft_vocab, init_from_target
+from models.dflash_layer import DFlashLayer
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
-
-
-def default_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's taps (z-lab `build_target_layer_ids`) as HF hidden_states indices (layer id
-    + 1): one draft layer reads the middle target layer; n layers read n target layers
-    spread evenly from layer 1 to layer L - 3. Clamped into the target (tiny targets)."""
-    L, n = num_target_layers, num_draft_layers
-    if n == 1:
-        ids = [L // 2]
-    else:
-        start, end = 1, max(L - 3, 1)
-        ids = [round(start + i * (end - start) / (n - 1)) for i in range(n)]
-    return sorted({min(max(i, 0), L - 1) + 1 for i in ids})
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + rotate_half(x) * sin
-
-
-class BlockAttention(nn.Module):
-    """Attention of the block's positions over [context ; own block]. Shapes: B rows, N
-    blocks per row, P positions per block, C context entries, h heads of size D (kv heads
-    repeated to h)."""
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        H, D, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            D,
-        )
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
-
-    def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Context [B, C, H] (fused target features) at rotary cos/sin [B|1, C, D] -> keys and
-        values [B, h, C, D], kv heads repeated once here (a drafter caches them as they are)."""
-        B, C, _ = ctx.shape
-        k = self.k_proj(ctx).view(B, C, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(ctx).view(B, C, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        group = self.num_heads // self.num_kv_heads
-        k = _rope(k, cos[:, None], sin[:, None])
-        return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-
-    def forward(
-        self,
-        x: Tensor,  # [B, N, P, H] the block's normed hidden
-        cos: Tensor,  # [B, N, P, D]
-        sin: Tensor,  # [B, N, P, D]
-        ctx_k: Tensor,  # [B, h, C, D] (context_kv)
-        ctx_v: Tensor,  # [B, h, C, D]
-        ctx_mask: Tensor,  # [B, N, C] bool: the context entries each block sees
-    ) -> Tensor:
-        B, N, P, _ = x.shape
-        h, kv, D = self.num_heads, self.num_kv_heads, self.head_dim
-
-        def heads(proj: nn.Linear, n: int) -> Tensor:
-            return proj(x).view(B, N, P, n, D).permute(0, 3, 1, 2, 4)  # [B, n, N, P, D]
-
-        q = _rope(heads(self.q_proj, h), cos[:, None], sin[:, None])
-        k = _rope(heads(self.k_proj, kv), cos[:, None], sin[:, None])
-        v = heads(self.v_proj, kv)
-        group = h // kv
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, h, N, P, D]
-        scale = D**-0.5
-        s_ctx = torch.einsum("bhnpd,bhcd->bhnpc", q, ctx_k) * scale  # [B, h, N, P, C]
-        s_ctx = s_ctx.masked_fill(~ctx_mask[:, None, :, None, :], float("-inf"))
-        s_own = torch.einsum("bhnpd,bhnkd->bhnpk", q, k) * scale  # [B, h, N, P, P]: bidirectional
-        probs = torch.cat([s_ctx, s_own], -1).float().softmax(-1).to(v.dtype)
-        C = ctx_k.shape[2]
-        out = torch.einsum("bhnpc,bhcd->bhnpd", probs[..., :C], ctx_v)
-        out = out + torch.einsum("bhnpk,bhnkd->bhnpd", probs[..., C:], v)  # [B, h, N, P, D]
-        return self.o_proj(out.permute(0, 2, 3, 1, 4).reshape(B, N, P, h * D))
-
-
-class DFlashLayer(nn.Module):
-    """A Llama decoder layer whose attention also reads the context keys/values."""
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        H, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = LlamaRMSNorm(H, eps=eps)
-        self.self_attn = BlockAttention(config)
-        self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
-        self.mlp = LlamaMLP(config)
-
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))  # [B, N, P, H]
 
 
 class DFlashDraft(nn.Module):
@@ -363,59 +269,6 @@ class DFlashDraft(nn.Module):
             vocab_ids=self.vocab_ids,
             extras=vocab.extras(self),
         )
-
-
-def draft_vocab(target: Target, vocab_size: int | str) -> dict:
-    """`vocab_size` ("full" or N) -> the constructor's vocabulary arguments."""
-    size = vocab.reduced_size(vocab_size, target.vocab_size)
-    return dict(target_vocab_size=target.vocab_size, draft_vocab_size=size)
-
-
-def draft_sizes(target: Target, intermediate_size: int | None) -> dict:
-    """The layer sizes and rope settings a DFlash / Domino draft copies from the target."""
-    cfg = target.config
-    rope = target.rope_kwargs()
-    rope_parameters = rope.get("rope_parameters") or {
-        "rope_type": "default",
-        "rope_theta": rope.get("rope_theta", 10000.0),
-    }
-    return dict(
-        hidden_size=target.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=getattr(cfg, "head_dim", None) or target.hidden_size // cfg.num_attention_heads,
-        intermediate_size=intermediate_size or cfg.intermediate_size,
-        max_position_embeddings=rope["max_position_embeddings"],
-        rope_parameters=rope_parameters,
-        rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-5),
-        hidden_act=getattr(cfg, "hidden_act", "silu"),
-    )
-
-
-def check_layers(target: Target, layers: list[int] | None, num_layers: int) -> list[int]:
-    """The taps to read: `layers` checked against the target, or DFlash's default."""
-    if layers is None:
-        return default_layers(target.num_layers, num_layers)
-    bad = [la for la in layers if not -1 <= la <= target.num_layers]
-    if bad or not layers:
-        raise ValueError(
-            f"layers {list(layers)}: give target hidden_states indices 0..{target.num_layers} "
-            "(-1 = last), at least one"
-        )
-    return list(layers)
-
-
-def init_from_target(draft: DFlashDraft, target: Target, token_counts: Tensor | None) -> None:
-    """Start the output norm from the target's final norm (the head sees target-sized
-    features) and the mask vector at the size of a target embedding row; build a reduced
-    vocabulary from `token_counts` (without them it must come from a checkpoint)."""
-    if draft.vocab_ids is not None and token_counts is not None:
-        vocab.build(draft, token_counts, target.eos_token_ids)
-    with torch.no_grad():
-        draft.norm.weight.copy_(target.final_norm_weight)
-        # A number: a GPU scalar times a CPU randn raises; drawn on the CPU on every device.
-        std = float(target.embed_tokens.weight.float().std())
-        draft.mask_embedding.copy_(torch.randn(draft.mask_embedding.shape) * std)
 
 
 def from_target(

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from models import vocab
-from models.dflash import DFlashDraft, check_layers, draft_sizes, draft_vocab, init_from_target
+from models.dflash import DFlashDraft
+from models.dflash_init import check_layers, draft_sizes, draft_vocab, init_from_target
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
 

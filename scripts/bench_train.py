@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from models.dtype_choice import machine_key
 from train.data.prepare import collate, prepare_data
-from train.loop import preflight
+from train.run_setup import preflight
 from train.schedule import global_rows, rank_chunks
 from train.step import StepSetup, train_step
 

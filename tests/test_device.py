@@ -24,7 +24,7 @@ from decoding.tree import TreeSpec
 from models import dflash, domino, draft_lm, eagle, medusa, mtp
 from tests.fake_device import DEVICE, OnDevice, fake_device
 from tests.helpers import TINY_CPU_RUN, V, compose_train, left_pad, untied_target
-from train import loop
+from train import run_setup
 from train.settings import gpu_index
 from train.step import StepSetup, StepStats, aux_loss, offset_losses
 
@@ -178,12 +178,12 @@ def test_device_cuda_n_is_honoured_or_refused(monkeypatch):
     under a multi-process launch (rank i runs on cuda:i) is refused with the reason."""
     set_to = []
     monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
-    monkeypatch.setattr(loop, "Accelerator", lambda **kwargs: kwargs)  # no CUDA here
+    monkeypatch.setattr(run_setup, "Accelerator", lambda **kwargs: kwargs)  # no CUDA here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     run = [o for o in TINY_CPU_RUN if not o.startswith("device=")]
-    loop.make_accelerator(compose_train(*run, "device=cuda:1"))
+    run_setup.make_accelerator(compose_train(*run, "device=cuda:1"))
     assert set_to == [1]
     assert gpu_index("cuda", 1) is None and gpu_index("cpu", 1) is None
     with pytest.raises(ValueError, match="has 2 GPU"):

@@ -17,8 +17,9 @@ from models.protocol import DraftOutput
 from models.target_loaders import build_tiny_random
 from train.checkpoint import list_checkpoints, load_checkpoint, load_draft
 from train.data.prepare import collate, prepare_data
-from train.loop import TrainingDiverged, preflight, run
+from train.loop import TrainingDiverged, run
 from train.losses import LOSSES, Loss
+from train.run_setup import preflight
 from train.schedule import lr_lambda
 from train.step import StepSetup, StepStats, offset_losses
 

@@ -21,8 +21,8 @@ from train.checkpoint import load_draft
 from train.data.prepare import prepare_data
 from train.data.regenerate import regenerate
 from train.evaluate import evaluate_checkpoint
-from train.loop import instantiate, make_accelerator
 from train.ranks import DEFAULT_TIMEOUT_S
+from train.run_setup import instantiate, make_accelerator
 from train.schedule import global_rows
 
 ROWS, REGEN_BATCH, BATCH = 8, 2, 2  # 4 regeneration batches, 4 feature-cache batches

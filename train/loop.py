@@ -7,7 +7,9 @@ draft and its warm start (train/formats/init_from.py), the feature cache
 schedule (train/schedule.py), replay (train/replay.py), one optimizer step (train/step.py),
 checkpoints and exact resume (train/checkpoint.py; what must match, train/identity.py),
 evaluation (train/evaluate.py), records and W&B (train/step_stats.py,
-train/report/tracking.py).
+train/report/tracking.py). What `run` builds before its first step (accelerator, target,
+draft, preflight, feature cache, replay) is in train/run_setup.py; what it records
+(checkpoints with their evaluation, summary.json) in train/run_records.py.
 
 With train.time_budget_s the run stops once that much training time (steps with their replay
 rollouts, not checkpoints or evaluations) is spent, and `train.steps` is a cap: how runs of
@@ -16,153 +18,42 @@ different step cost are compared at equal wall-clock.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-import hydra.utils
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
-from hydra.errors import InstantiationException
+from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from models.protocol import DraftModel
-from models.target import Target
-from train.checkpoint import (
-    restore_trainer_state,
-    resume_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-    trainer_state,
-)
-from train.data.prepare import PreparedData, collate, prepare_data
-from train.evaluate import DecodeCopies, evaluate_checkpoint, format_eval_table
-from train.feature_cache import FeatureCache, build_feature_cache
-from train.formats.init_from import check_init_from, init_draft_from
+from train.checkpoint import restore_trainer_state, resume_checkpoint
+from train.data.prepare import collate, prepare_data
+from train.formats.init_from import check_init_from
 from train.identity import Resumed, check_resume, run_identity
 from train.machine import choose_autocast, set_target_dtype, share_threads
-from train.ranks import Ranks, dist_timeout
-from train.replay import Replay
-from train.report.tracking import RunLog, finish_tracking, init_tracking, tracker
+from train.ranks import Ranks
+from train.report.tracking import RunLog, finish_tracking, init_tracking
 from train.run_files import check_run_dir, clear_run, save_hydra_record, write_atomic
+from train.run_records import RunRecords, checkpoint_and_evaluate, write_summary
+from train.run_setup import (
+    build_draft,
+    feature_cache,
+    instantiate,
+    make_accelerator,
+    make_replay,
+    preflight,
+)
 from train.schedule import global_rows, lr_lambda, rank_chunks, schedule_settings
-from train.settings import check_decode_context, check_settings, gpu_index
+from train.settings import check_decode_context, check_settings
 from train.step import StepResult, StepSetup, TrainingDiverged, train_step
 from train.step_stats import StepWindow, proxy_tags
-from train.strategy import (
-    Strategy,
-    check_processes,
-    eval_draft,
-    full_state,
-    launch_strategy,
-    shard,
-    strategy_ran,
-)
+from train.strategy import check_processes, launch_strategy, shard, strategy_ran
 
 __all__ = ["TrainingDiverged", "run"]
-
-
-def instantiate(node: DictConfig, **kwargs):
-    """hydra.utils.instantiate, re-raising the builder's own error (its message says what
-    to fix) instead of hydra's InstantiationException wrapper."""
-    try:
-        return hydra.utils.instantiate(node, **kwargs)
-    except InstantiationException as err:
-        cause = err.__cause__
-        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
-        if isinstance(cause, TypeError) and unknown:  # e.g. +experiment=debug draft=eagle
-            raise ValueError(
-                f"{node.get('_target_')} takes no setting {unknown[1]!r} (set in this group's "
-                "config or by an experiment written for another kind); remove it, e.g. "
-                f"~draft.model.{unknown[1]} when it is a draft setting"
-            ) from None
-        if isinstance(cause, ValueError | FileNotFoundError | TypeError):
-            raise cause from None
-        raise
-
-
-def make_accelerator(cfg: DictConfig) -> Accelerator:
-    """train.bf16: true -> accelerate's bf16 autocast; "auto" -> the same on CUDA, and on a
-    CPU the measured choice (train/machine.py), applied by train_step itself. device=cuda:N
-    makes GPU N current (train.settings.gpu_index). Every collective of a multi-process run
-    waits at most train.dist_timeout_s (train/ranks.py)."""
-    device = str(cfg.device)
-    index = gpu_index(device, int(os.environ.get("WORLD_SIZE", "1")))
-    if index is not None:  # accelerate's single process runs on "cuda", the current GPU
-        torch.cuda.set_device(index)
-    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    bf16 = cfg.train.bf16
-    mixed = "bf16" if bf16 is True or (bf16 == "auto" and not cpu) else "no"
-    timeout = InitProcessGroupKwargs(timeout=dist_timeout(cfg.train.get("dist_timeout_s")))
-    return Accelerator(
-        cpu=cpu, mixed_precision=mixed, log_with=tracker(cfg), kwargs_handlers=[timeout]
-    )
-
-
-def preflight(draft: DraftModel, target: Target, sample_ids: torch.Tensor) -> list[int]:
-    """One tiny forward: check the draft's vocabulary against the target, learn offsets."""
-    with torch.no_grad():
-        ids = sample_ids[None, :8].to(target.device)  # [1, <=8]
-        t_out = target(ids, hidden_layers=tuple(draft.hidden_layers), use_cache=False)
-        out = draft(target, ids, t_out, torch.ones_like(ids))
-    for logits in out.logits:
-        want = target.vocab_size if out.vocab_ids is None else len(out.vocab_ids)
-        if logits.shape[-1] != want:
-            what = "the target's vocabulary" if out.vocab_ids is None else "len(vocab_ids)"
-            raise ValueError(
-                f"the draft predicts {logits.shape[-1]} tokens per position but {what} has "
-                f"{want} (target {target.name!r}): the draft must use the target's tokenizer, "
-                "or return vocab_ids mapping its reduced vocabulary to target ids."
-            )
-    return list(out.offsets)
-
-
-def build_draft(cfg: DictConfig, target: Target, prepared: PreparedData, warm_start: bool):
-    """The draft of cfg.draft.model on the target's device; `draft.init_from` loads an
-    exported or published draft into it when `warm_start` (a resumed run loads its own
-    checkpoint instead)."""
-    draft = instantiate(cfg.draft.model, target=target, token_counts=prepared.token_counts)
-    draft.to(target.device)
-    if cfg.draft.get("init_from") and warm_start:
-        init_draft_from(cfg.draft.init_from, draft, target, cfg.draft)
-    return draft
-
-
-def feature_cache(
-    cfg: DictConfig, accelerator: Accelerator, target: Target, draft: DraftModel, rows
-) -> FeatureCache | None:
-    """train.feature_cache: the target's features over the rows, computed once in the
-    loop's first-epoch order (every rank its share of the batches), then read by every rank."""
-    if not cfg.train.get("feature_cache"):
-        return None
-    first_epoch = global_rows(0, len(rows), len(rows), cfg.seed)
-    return build_feature_cache(
-        target, rows, draft.hidden_layers, cfg.data.get("cache_dir"),
-        batch_size=cfg.train.batch_size, order=first_epoch,
-        progress=accelerator.is_main_process, ranks=Ranks.current(),
-    )  # fmt: skip
-
-
-def make_replay(
-    cfg: DictConfig, rows, offsets: list[int], pad_id: int, accelerator
-) -> Replay | None:
-    """On-policy replay of the draft's own rollouts (train/replay.py), when enabled."""
-    if cfg.get("replay") is None or not cfg.replay.enabled:
-        return None
-    args = OmegaConf.to_container(cfg.replay, resolve=True)
-    del args["enabled"]
-    return Replay(
-        rows, offsets=offsets, pad_token_id=pad_id, seed=cfg.seed,
-        rank=accelerator.process_index, world_size=accelerator.num_processes,
-        loss_temperature=float(cfg.loss.temperature), **args,
-    )  # fmt: skip
 
 
 def progress_bar(cfg: DictConfig, start_step: int, train_s: float, main: bool) -> tqdm:
@@ -189,87 +80,6 @@ def diverged(step: int, result: StepResult, last_checkpoint: str | None) -> Trai
         f"grad_norm={result.grad_norm}; the update was not applied and {kept}. "
         "Lower optim.lr, enable gradient clipping (train.max_grad_norm) or check the data."
     )
-
-
-@dataclass
-class RunRecords:
-    """What the loop knows of the run so far; a resumed run starts from its earlier records
-    (train/report/tracking.py: RunLog.earlier), so its summary covers the whole run."""
-
-    last_train: dict | None = None  # the newest train record: alpha per offset, simulated tau
-    evals: list[dict] = field(default_factory=list)  # eval records, oldest first
-    last_checkpoint: str | None = None
-    decode_copies: DecodeCopies | None = None  # built at the first evaluation, then reused
-    rows_consumed: int = 0  # rows of the seeded stream trained on, all segments of the run
-    schedule: dict = field(default_factory=dict)  # the LR schedule's settings, as it started
-    identity: dict | None = None  # identity.json of every checkpoint (train/identity.py)
-
-    @classmethod
-    def resumed(cls, earlier: list[dict], checkpoint: Path | None, **facts) -> RunRecords:
-        trained = [r for r in earlier if r["kind"] == "train"]
-        evals = [
-            {k: v for k, v in r.items() if k != "kind"} for r in earlier if r["kind"] == "eval"
-        ]
-        last_ckpt = str(checkpoint) if checkpoint else None
-        return cls(trained[-1] if trained else None, evals, last_ckpt, **facts)
-
-
-def checkpoint_and_evaluate(
-    cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, draft, core: DraftModel,
-    optimizer, scheduler, replay: Replay | None, target: Target, prepared: PreparedData,
-    records: RunRecords, log: RunLog, step: int, last: bool, train_s: float, loss: float,
-) -> None:  # fmt: skip
-    """Checkpoint `step` (every rank takes part in the gathers; the main rank writes) and,
-    when due, evaluate it with the shared decoder (every rank decodes its share of the
-    prompts, train/evaluate.py; the main rank records) with the full draft, never the
-    FSDP-sharded module (train/strategy.py)."""
-    tc, world = cfg.train, accelerator.num_processes
-    draft_state, optim_state = full_state(strategy, accelerator, draft, optimizer)  # gathers
-    rng_all = gather_object([rng_state()])  # one entry per rank
-    replay_all = gather_object([replay.state_dict()]) if replay is not None else None
-    if accelerator.is_main_process:
-        state = trainer_state(step, records.rows_consumed, world, optim_state, scheduler, rng_all,
-                              replay_all, train_s, records.schedule, strategy.kind)  # fmt: skip
-        records.last_checkpoint = str(save_checkpoint(
-            cfg.run_dir, step, draft_state, OmegaConf.to_yaml(cfg.draft, resolve=True), state,
-            tc.keep_last, meta={"loss": loss, "name": str(cfg.name)},
-            config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
-        ))  # fmt: skip
-    every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
-    if tc.eval_at_ckpt and (last or not every or step % every == 0):
-        rng = rng_state()  # evaluation must not shift the training RNG stream
-        with eval_draft(strategy, core, draft_state, accelerator.device) as full:
-            result, records.decode_copies = evaluate_checkpoint(
-                target, full, prepared.eval_prompts, cfg, records.last_train,
-                records.decode_copies, Ranks.current(),
-            )  # fmt: skip
-        set_rng_state(rng)
-        result["step"] = step
-        records.evals.append(result)
-        log.write({"kind": "eval", **result})  # the main rank's
-    accelerator.wait_for_everyone()
-
-
-def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRecords) -> dict:
-    """summary.json, and the evaluation table printed at the end of a run."""
-    last_eval = records.evals[-1] if records.evals else {}
-    summary |= {
-        # The dtypes chosen for this run (models/dtype_choice.py), with the timings behind them
-        "dtypes": {
-            **summary.get("dtypes", {}),  # training: the target's dtype, the draft's autocast
-            "regenerate": summary["data_stats"].get("regen_dtype"),
-            **last_eval.get("dtypes", {}),
-        },
-        "last_checkpoint": records.last_checkpoint,
-        "final_train": records.last_train,
-        "final_eval": last_eval or None,
-        "tau_curve": [[e["step"], e.get("tau")] for e in records.evals],
-    }
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
-    if records.evals:
-        print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
-        print(format_eval_table(records.evals), flush=True)
-    return summary
 
 
 def run(cfg: DictConfig) -> dict:

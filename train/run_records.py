@@ -1,0 +1,105 @@
+"""What the training loop (train/loop.py) records of a run: `RunRecords`, what it knows so
+far; `checkpoint_and_evaluate`, a checkpoint (train/checkpoint.py) with its evaluation
+(train/evaluate.py); `write_summary`, summary.json at the end."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from omegaconf import DictConfig, OmegaConf
+
+from models.protocol import DraftModel
+from models.target import Target
+from train.checkpoint import rng_state, save_checkpoint, set_rng_state, trainer_state
+from train.data.prepare import PreparedData
+from train.evaluate import DecodeCopies, evaluate_checkpoint, format_eval_table
+from train.ranks import Ranks
+from train.replay import Replay
+from train.report.tracking import RunLog
+from train.run_files import write_atomic
+from train.strategy import Strategy, eval_draft, full_state
+
+
+@dataclass
+class RunRecords:
+    """What the loop knows of the run so far; a resumed run starts from its earlier records
+    (train/report/tracking.py: RunLog.earlier), so its summary covers the whole run."""
+
+    last_train: dict | None = None  # the newest train record: alpha per offset, simulated tau
+    evals: list[dict] = field(default_factory=list)  # eval records, oldest first
+    last_checkpoint: str | None = None
+    decode_copies: DecodeCopies | None = None  # built at the first evaluation, then reused
+    rows_consumed: int = 0  # rows of the seeded stream trained on, all segments of the run
+    schedule: dict = field(default_factory=dict)  # the LR schedule's settings, as it started
+    identity: dict | None = None  # identity.json of every checkpoint (train/identity.py)
+
+    @classmethod
+    def resumed(cls, earlier: list[dict], checkpoint: Path | None, **facts) -> RunRecords:
+        trained = [r for r in earlier if r["kind"] == "train"]
+        evals = [
+            {k: v for k, v in r.items() if k != "kind"} for r in earlier if r["kind"] == "eval"
+        ]
+        last_ckpt = str(checkpoint) if checkpoint else None
+        return cls(trained[-1] if trained else None, evals, last_ckpt, **facts)
+
+
+def checkpoint_and_evaluate(
+    cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, draft, core: DraftModel,
+    optimizer, scheduler, replay: Replay | None, target: Target, prepared: PreparedData,
+    records: RunRecords, log: RunLog, step: int, last: bool, train_s: float, loss: float,
+) -> None:  # fmt: skip
+    """Checkpoint `step` (every rank takes part in the gathers; the main rank writes) and,
+    when due, evaluate it with the shared decoder (every rank decodes its share of the
+    prompts, train/evaluate.py; the main rank records) with the full draft, never the
+    FSDP-sharded module (train/strategy.py)."""
+    tc, world = cfg.train, accelerator.num_processes
+    draft_state, optim_state = full_state(strategy, accelerator, draft, optimizer)  # gathers
+    rng_all = gather_object([rng_state()])  # one entry per rank
+    replay_all = gather_object([replay.state_dict()]) if replay is not None else None
+    if accelerator.is_main_process:
+        state = trainer_state(step, records.rows_consumed, world, optim_state, scheduler, rng_all,
+                              replay_all, train_s, records.schedule, strategy.kind)  # fmt: skip
+        records.last_checkpoint = str(save_checkpoint(
+            cfg.run_dir, step, draft_state, OmegaConf.to_yaml(cfg.draft, resolve=True), state,
+            tc.keep_last, meta={"loss": loss, "name": str(cfg.name)},
+            config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
+        ))  # fmt: skip
+    every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
+    if tc.eval_at_ckpt and (last or not every or step % every == 0):
+        rng = rng_state()  # evaluation must not shift the training RNG stream
+        with eval_draft(strategy, core, draft_state, accelerator.device) as full:
+            result, records.decode_copies = evaluate_checkpoint(
+                target, full, prepared.eval_prompts, cfg, records.last_train,
+                records.decode_copies, Ranks.current(),
+            )  # fmt: skip
+        set_rng_state(rng)
+        result["step"] = step
+        records.evals.append(result)
+        log.write({"kind": "eval", **result})  # the main rank's
+    accelerator.wait_for_everyone()
+
+
+def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRecords) -> dict:
+    """summary.json, and the evaluation table printed at the end of a run."""
+    last_eval = records.evals[-1] if records.evals else {}
+    summary |= {
+        # The dtypes chosen for this run (models/dtype_choice.py), with the timings behind them
+        "dtypes": {
+            **summary.get("dtypes", {}),  # training: the target's dtype, the draft's autocast
+            "regenerate": summary["data_stats"].get("regen_dtype"),
+            **last_eval.get("dtypes", {}),
+        },
+        "last_checkpoint": records.last_checkpoint,
+        "final_train": records.last_train,
+        "final_eval": last_eval or None,
+        "tau_curve": [[e["step"], e.get("tau")] for e in records.evals],
+    }
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    if records.evals:
+        print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
+        print(format_eval_table(records.evals), flush=True)
+    return summary

@@ -1,0 +1,122 @@
+"""What `run` (train/loop.py) builds before its first step: the accelerator, the target and
+draft from their configs (`instantiate`, `build_draft`), the preflight forward that checks
+the draft against the target, the feature cache and the replay."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import hydra.utils
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+
+from models.protocol import DraftModel
+from models.target import Target
+from train.data.prepare import PreparedData
+from train.feature_cache import FeatureCache, build_feature_cache
+from train.formats.init_from import init_draft_from
+from train.ranks import Ranks, dist_timeout
+from train.replay import Replay
+from train.report.tracking import tracker
+from train.schedule import global_rows
+from train.settings import gpu_index
+
+
+def instantiate(node: DictConfig, **kwargs):
+    """hydra.utils.instantiate, re-raising the builder's own error (its message says what
+    to fix) instead of hydra's InstantiationException wrapper."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
+        if isinstance(cause, TypeError) and unknown:  # e.g. +experiment=debug draft=eagle
+            raise ValueError(
+                f"{node.get('_target_')} takes no setting {unknown[1]!r} (set in this group's "
+                "config or by an experiment written for another kind); remove it, e.g. "
+                f"~draft.model.{unknown[1]} when it is a draft setting"
+            ) from None
+        if isinstance(cause, ValueError | FileNotFoundError | TypeError):
+            raise cause from None
+        raise
+
+
+def make_accelerator(cfg: DictConfig) -> Accelerator:
+    """train.bf16: true -> accelerate's bf16 autocast; "auto" -> the same on CUDA, and on a
+    CPU the measured choice (train/machine.py), applied by train_step itself. device=cuda:N
+    makes GPU N current (train.settings.gpu_index). Every collective of a multi-process run
+    waits at most train.dist_timeout_s (train/ranks.py)."""
+    device = str(cfg.device)
+    index = gpu_index(device, int(os.environ.get("WORLD_SIZE", "1")))
+    if index is not None:  # accelerate's single process runs on "cuda", the current GPU
+        torch.cuda.set_device(index)
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    bf16 = cfg.train.bf16
+    mixed = "bf16" if bf16 is True or (bf16 == "auto" and not cpu) else "no"
+    timeout = InitProcessGroupKwargs(timeout=dist_timeout(cfg.train.get("dist_timeout_s")))
+    return Accelerator(
+        cpu=cpu, mixed_precision=mixed, log_with=tracker(cfg), kwargs_handlers=[timeout]
+    )
+
+
+def preflight(draft: DraftModel, target: Target, sample_ids: torch.Tensor) -> list[int]:
+    """One tiny forward: check the draft's vocabulary against the target, learn offsets."""
+    with torch.no_grad():
+        ids = sample_ids[None, :8].to(target.device)  # [1, <=8]
+        t_out = target(ids, hidden_layers=tuple(draft.hidden_layers), use_cache=False)
+        out = draft(target, ids, t_out, torch.ones_like(ids))
+    for logits in out.logits:
+        want = target.vocab_size if out.vocab_ids is None else len(out.vocab_ids)
+        if logits.shape[-1] != want:
+            what = "the target's vocabulary" if out.vocab_ids is None else "len(vocab_ids)"
+            raise ValueError(
+                f"the draft predicts {logits.shape[-1]} tokens per position but {what} has "
+                f"{want} (target {target.name!r}): the draft must use the target's tokenizer, "
+                "or return vocab_ids mapping its reduced vocabulary to target ids."
+            )
+    return list(out.offsets)
+
+
+def build_draft(cfg: DictConfig, target: Target, prepared: PreparedData, warm_start: bool):
+    """The draft of cfg.draft.model on the target's device; `draft.init_from` loads an
+    exported or published draft into it when `warm_start` (a resumed run loads its own
+    checkpoint instead)."""
+    draft = instantiate(cfg.draft.model, target=target, token_counts=prepared.token_counts)
+    draft.to(target.device)
+    if cfg.draft.get("init_from") and warm_start:
+        init_draft_from(cfg.draft.init_from, draft, target, cfg.draft)
+    return draft
+
+
+def feature_cache(
+    cfg: DictConfig, accelerator: Accelerator, target: Target, draft: DraftModel, rows
+) -> FeatureCache | None:
+    """train.feature_cache: the target's features over the rows, computed once in the
+    loop's first-epoch order (every rank its share of the batches), then read by every rank."""
+    if not cfg.train.get("feature_cache"):
+        return None
+    first_epoch = global_rows(0, len(rows), len(rows), cfg.seed)
+    return build_feature_cache(
+        target, rows, draft.hidden_layers, cfg.data.get("cache_dir"),
+        batch_size=cfg.train.batch_size, order=first_epoch,
+        progress=accelerator.is_main_process, ranks=Ranks.current(),
+    )  # fmt: skip
+
+
+def make_replay(
+    cfg: DictConfig, rows, offsets: list[int], pad_id: int, accelerator
+) -> Replay | None:
+    """On-policy replay of the draft's own rollouts (train/replay.py), when enabled."""
+    if cfg.get("replay") is None or not cfg.replay.enabled:
+        return None
+    args = OmegaConf.to_container(cfg.replay, resolve=True)
+    del args["enabled"]
+    return Replay(
+        rows, offsets=offsets, pad_token_id=pad_id, seed=cfg.seed,
+        rank=accelerator.process_index, world_size=accelerator.num_processes,
+        loss_temperature=float(cfg.loss.temperature), **args,
+    )  # fmt: skip
