@@ -2,9 +2,14 @@
 output, and a cache that resumes after a crash, is keyed by the settings, and keeps the
 default data config's key."""
 
+import pytest
 import torch
 
+from decoding.drafter import Sampling
+from decoding.rounds import GREEDY
+from models.target_loaders import build_tiny_random
 from tests.helpers import CONF, greedy_tokens, write_rows
+from train.data.answer_batch import SlotCache, answer_prompts, decode_step
 from train.data.chat import CHAT_TEMPLATES, resolve_chat_template
 from train.data.prepare import prepare_data
 from train.data.regenerate import regenerate
@@ -118,22 +123,63 @@ def test_regeneration_leaves_the_callers_random_stream_alone(tiny_target, tmp_pa
         assert torch.equal(after_generating, after_nothing)
 
 
-def test_batched_answers_end_per_row_and_equal_each_rows_greedy_output(tiny_target):
-    """answer_batch: rows of different lengths, each ended by its own EOS (then it leaves the
-    batch) or by the budget, give what plain argmax decoding of that row alone gives."""
-    from decoding.rounds import GREEDY
-    from train.data.answer_batch import answer_batch
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: sliding-window layers
+def test_slot_cache_steps_give_each_sequences_own_next_token_logits(arch):
+    """Slots holding sequences of different lengths, stepped together (each slot writing and
+    attending at its own position, sliding layers within their window): every step's logits
+    equal a full forward of that slot's sequence alone, with no cache."""
+    target = build_tiny_random(seed=0, device="cpu", arch=arch, sliding_window=4)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (5, 11)]
+    width = max(map(len, seqs))
+    ids = torch.tensor([[0] * (width - len(q)) + q for q in seqs])  # [2, 11] left-padded
+    attn = (torch.arange(width)[None] >= torch.tensor([[width - len(q)] for q in seqs])).long()
+    with torch.inference_mode():
+        out = target(ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0))
+        cache = SlotCache(slots=2, max_len=width + 8, device=torch.device("cpu"))
+        for slot, q in enumerate(seqs):
+            cache.fill(slot, out.cache, slot, len(q))
+        for _ in range(6):
+            last = torch.randint(3, 100, (2,), generator=gen)
+            seqs = [q + [int(t)] for q, t in zip(seqs, last)]
+            logits = decode_step(target, cache, last)  # [2, V]
+            cache.lengths += 1
+            for slot, q in enumerate(seqs):
+                alone = target(torch.tensor([q]), use_cache=False).logits[0, -1]
+                torch.testing.assert_close(logits[slot], alone, atol=1e-5, rtol=1e-5)
 
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: sliding-window layers
+def test_streamed_answers_equal_each_prompts_greedy_output(arch):
+    """answer_prompts: 5 prompts of different lengths through 2 slots, each answer ended by
+    its own EOS (its slot then takes the next prompt) or by the budget, give what plain
+    argmax decoding of that prompt alone gives; each answer is handed over as it ends."""
+    target = build_tiny_random(seed=0, device="cpu", arch=arch, sliding_window=8)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (5, 9, 7, 12)]
-    free = [greedy_tokens(tiny_target, p, 10) for p in prompts]  # no EOS of ours yet
-    # Each row's 3rd / 6th token as end tokens: rows stop at different steps (or never).
-    eos = [free[0][2], free[1][5], *tiny_target.eos_token_ids]
-    answers = answer_batch(tiny_target, prompts, 10, GREEDY, eos, pad_id=0)
+    prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (5, 9, 7, 12, 6)]
+    free = [greedy_tokens(target, p, 20) for p in prompts]  # answers past the 8-token window
+    # A token of row 0 and one of row 1 as end tokens: answers end at different steps.
+    eos = [free[0][2], free[1][5], *target.eos_token_ids]
 
     def cut(tokens: list[int]) -> list[int]:
         stop = next((i for i, t in enumerate(tokens) if t in eos), None)
         return tokens if stop is None else tokens[: stop + 1]
 
+    ended = []
+    answers = answer_prompts(target, prompts, 20, GREEDY, eos, pad_id=0, slots=2,
+                             on_answer=lambda i, a: ended.append((i, list(a))))  # fmt: skip
     assert answers == [cut(t) for t in free]
-    assert len(answers[0]) <= 3 and len({len(a) for a in answers}) > 1  # rows left early
+    assert len({len(a) for a in answers}) > 1  # answers of different lengths: slots refilled
+    assert sorted(ended) == list(enumerate(answers))
+
+
+def test_sampled_answers_do_not_depend_on_the_slots(tiny_target):
+    """Each prompt samples with its own generator: 1 slot or 3 give the same answers; the
+    seeds, not the slots, decide them."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (5, 9, 7, 12)]
+    hot = Sampling(temperature=5.0, top_p=0.95)  # flat: the tiny target is peaked
+    kw = dict(max_new_tokens=10, sampling=hot, eos_token_ids=[], pad_id=0)
+    alone = answer_prompts(tiny_target, prompts, slots=1, seeds=[1, 2, 3, 4], **kw)
+    assert answer_prompts(tiny_target, prompts, slots=3, seeds=[1, 2, 3, 4], **kw) == alone
+    assert answer_prompts(tiny_target, prompts, slots=3, seeds=[5, 6, 7, 8], **kw) != alone

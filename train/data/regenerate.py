@@ -4,13 +4,15 @@ Training a draft on the target's own responses (instead of the dataset's) matche
 what the draft sees at decode time: the field reports ~+10% τ from it.
 
 Cache layout: <root>/data/regen/<settings-key>/responses.jsonl, one JSON line per
-answered prompt, appended batch by batch (a crash loses at most one batch; a rerun
-skips every prompt already in the file). With several processes (`ranks`, train/ranks.py)
-the prompts still missing are batched as one process batches them, batch b goes to rank
-b mod world, and rank r appends to its own shard file (rank 0: responses.jsonl, rank r > 0:
-responses.rank<r>.jsonl); every rank then reads every shard file. The batches, their seeds
-and the row order of the result are those of one process, so the answers are the same
-(greedy and sampled); a restarted rank skips every prompt any shard holds. The settings key hashes the target name, the
+answered prompt, appended as each answer ends (train/data/answer_batch.py: a crash loses
+only the answers in progress; a rerun skips every prompt already in the file). With several
+processes (`ranks`, train/ranks.py) the prompts still missing are sorted and cut into batches
+of `batch_size` as one process would, batch b goes to rank b mod world, and rank r appends
+to its own shard file (rank 0: responses.jsonl, rank r > 0: responses.rank<r>.jsonl); every
+rank then reads every shard file. Each prompt samples with its own generator (seeded by the
+run's seed and the prompt), and the row order of the result is that of one process, so the
+answers are the same (greedy and sampled); a restarted rank skips every prompt any shard
+holds. The settings key hashes the target name, the
 fingerprint of its weights (models/identity.py: weights re-saved under the same name or path
 answer afresh), the chat template the prompts were rendered with (data.chat_template,
 resolved) and the sampling settings; inside it each line is keyed by a hash of the
@@ -35,7 +37,7 @@ from tqdm.auto import tqdm
 from decoding.drafter import Sampling
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
-from train.data.answer_batch import answer_batch
+from train.data.answer_batch import answer_prompts
 from train.ranks import Ranks
 from train.run_files import write_atomic
 
@@ -225,40 +227,41 @@ def regenerate(
         eos = set(target.eos_token_ids)
         pad_id = target.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else target.eos_token_ids[0]
-        sampling = Sampling(temperature=temperature, top_p=top_p)
-        bar = tqdm(total=sum(len(batch) for _, batch in mine), desc="regenerate", unit="prompt",
+        share = [i for _, batch in mine for i in batch]  # this rank's prompts, longest first
+        bar = tqdm(total=len(share), desc="regenerate", unit="prompt",
                    disable=not (progress and ranks.main))  # fmt: skip
         t0 = time.perf_counter()
         with shard.open("a") as out:
             if not _ends_with_newline(shard):  # a crash left a partial last line: end it
                 out.write("\n")
-            for b, batch in mine:
-                # Batch b's own generator: its answers are the same whichever rank answers
-                # it, and the caller's random stream (a run's draft init) is left alone.
-                generator = torch.Generator(target.device).manual_seed(seed + b)
-                generated = answer_batch(
-                    answering, [prompts[i] for i in batch], max_new_tokens, sampling,
-                    sorted(eos), pad_id, generator,
-                )  # fmt: skip
-                lines = []
-                for i, new in zip(batch, generated, strict=True):
-                    stop = next((j for j, t in enumerate(new) if t in eos), None)
-                    ids = new if stop is None else new[: stop + 1]
-                    row = {
-                        "prompt": keys[i],
-                        "ids": ids,
-                        "finished": stop is not None,
-                        "text": target.tokenizer.decode(ids, skip_special_tokens=True),
-                    }
-                    done[keys[i]] = row
-                    lines.append(json.dumps(row) + "\n")
-                    stats["new_tokens"] += len(ids)
-                out.write("".join(lines))  # one write per batch: a crash loses one batch
+
+            def save(position: int, new: list[int]) -> None:  # as each answer ends
+                i = share[position]
+                stop = next((j for j, t in enumerate(new) if t in eos), None)
+                ids = new if stop is None else new[: stop + 1]
+                row = {
+                    "prompt": keys[i],
+                    "ids": ids,
+                    "finished": stop is not None,
+                    "text": target.tokenizer.decode(ids, skip_special_tokens=True),
+                }
+                done[keys[i]] = row
+                out.write(json.dumps(row) + "\n")
                 out.flush()
-                stats["generated"] += len(batch)
-                elapsed = time.perf_counter() - t0
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{stats['new_tokens'] / elapsed:.0f}")
+                stats["new_tokens"] += len(ids)
+                stats["generated"] += 1
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{stats['new_tokens'] / (time.perf_counter() - t0):.0f}")
+
+            # Each prompt's own generator (sampling): its answer does not depend on which
+            # slot, batch or rank answers it, and the caller's random stream (a run's draft
+            # init) is left alone.
+            answer_prompts(
+                answering, [prompts[i] for i in share], max_new_tokens,
+                Sampling(temperature=temperature, top_p=top_p), sorted(eos), pad_id,
+                slots=batch_size, seeds=[seed + int(keys[i], 16) % 2**62 for i in share],
+                on_answer=save,
+            )  # fmt: skip
         bar.close()
         stats["seconds"] = round(time.perf_counter() - t0, 2)
         stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
