@@ -101,3 +101,36 @@ def test_a_resumed_auto_run_keeps_the_target_dtype_it_ran_in(tmp_path, monkeypat
     second = run(compose_debug(tmp_path / "run", "train.steps=2", "resume=true", *overrides))
     assert second["dtypes"]["train_target"] == {**second["dtypes"]["train_target"],
                                                 "dtype": "bfloat16", "source": "resumed"}  # fmt: skip
+
+
+class OtherRank:
+    """A rank other than 0 of a 2-process run: `broadcast` hands over rank 0's verdict."""
+
+    main, world = False, 2
+
+    def __init__(self, verdict):
+        self.verdict = verdict
+
+    def broadcast(self, obj):
+        assert obj is None  # this rank measured nothing
+        return self.verdict
+
+
+def test_other_ranks_take_rank_0s_training_dtypes_without_measuring(monkeypatch, tiny_target):
+    """With several processes only rank 0 times the dtypes: the ranks of one run never train
+    in different dtypes (the feature cache's key holds the dtype, DDP needs equal steps)."""
+    from models.dtype_choice import DtypeChoice
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a rank other than 0 measured a dtype")
+
+    monkeypatch.setattr(train.machine, "median_seconds", no_timing)
+    cfg = compose_debug("unused", "target.dtype=auto", "train.bf16=auto")
+    row = {"input_ids": list(range(3, 40)), "loss_mask": [0] * 10 + [1] * 27}
+    bf16 = DtypeChoice("train_target", "bfloat16", "measured", {"float32": 2.0, "bfloat16": 1.0})
+    choice = train.machine.set_target_dtype(cfg, tiny_target, row, None, OtherRank(bf16))
+    assert choice == bf16 and tiny_target.dtype == torch.bfloat16
+    draft_choice = DtypeChoice("train_draft", "float32", "measured", {})
+    got = train.machine.choose_autocast("auto", cfg, tiny_target, None, None, row,
+                                        OtherRank(draft_choice))  # fmt: skip
+    assert got == draft_choice

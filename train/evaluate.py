@@ -247,6 +247,9 @@ def evaluate_checkpoint(
             target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
         )
     samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
+    # The fastest-AR baseline is the plain target: a draft that adapts the target (Medusa-2)
+    # keeps its AR on the adapted one, what its speculative decode must reproduce.
+    same_dtype_ar = bool(dec.get("same_dtype_ar", True)) or decode_target is not target_eval.target
     result["dtypes"] = target_eval.dtypes
     for tag, sampling in samplings.items():
         kw = dict(
@@ -261,7 +264,7 @@ def evaluate_checkpoint(
         with torch.no_grad():
             share = decode_prompts(
                 decode_target, drafter, prompts, mine, baseline=target_eval.baseline,
-                same_dtype_ar=bool(dec.get("same_dtype_ar", True)), **kw,
+                same_dtype_ar=same_dtype_ar, **kw,
             )  # fmt: skip
             parts = ranks.gather(share)
             if ranks.world > 1:  # which rank decoded which prompts

@@ -125,12 +125,14 @@ def train_run(cfg: DictConfig) -> dict:
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
     pad_id = target.tokenizer.pad_token_id
     saved_dtype = resumed.target_dtype if resumed else None
-    dtypes = {"train_target": set_target_dtype(cfg, target, train_rows[0], saved_dtype)}
+    dtypes = {"train_target": set_target_dtype(cfg, target, train_rows[0], saved_dtype, ranks)}
     draft = build_draft(cfg, target, prepared, warm_start=resume_from is None)
     offsets = preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
     features = feature_cache(cfg, accelerator, target, draft, train_rows)
     setup = StepSetup.from_config(cfg, offsets)
-    dtypes["train_draft"] = choose_autocast(tc.bf16, cfg, target, draft, setup, train_rows[0])
+    dtypes["train_draft"] = choose_autocast(
+        tc.bf16, cfg, target, draft, setup, train_rows[0], ranks
+    )
     for choice in dtypes.values():
         if main and choice.source != "explicit":
             print(f"dtype {choice.describe()}", flush=True)

@@ -28,6 +28,7 @@ from models.dtype_choice import DtypeChoice, choose_dtype
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.protocol import DraftModel
 from models.target import Target
+from train.ranks import Ranks
 from train.step import StepSetup, StepStats, offset_losses, target_output
 
 PROBE_TOKENS = 256  # tokens of the probe row (or the row's length, if shorter)
@@ -88,14 +89,18 @@ def choose_target_dtype(
 
 def choose_autocast(
     setting: bool | str, cfg: DictConfig, target: Target, draft: DraftModel, setup: StepSetup,
-    row: dict,
+    row: dict, ranks: Ranks | None = None,
 ) -> DtypeChoice:  # fmt: skip
     """train.bf16: true / false as set; "auto": bf16 autocast of the draft's forward and loss
     when its forward + backward on one probe row is faster that way, timed on a copy of the
-    draft (the run's own draft is not touched)."""
+    draft (the run's own draft is not touched). With several processes rank 0 times it and
+    every rank takes its verdict: ranks never train in different dtypes."""
     if setting != "auto":
         name = "bfloat16" if setting else "float32"
         return DtypeChoice("train_draft", name, "explicit")
+    ranks = ranks or Ranks()
+    if not ranks.main:
+        return ranks.broadcast(None)
     batch = probe_batch(row, target.device)
     t_out = target_output(target, draft, batch, [0], None)
     probe = copy.deepcopy(draft).train()
@@ -120,19 +125,26 @@ def choose_autocast(
         return median_seconds(step)
 
     cache_dir = cfg.data.get("cache_dir")
-    return choose_dtype("train_draft", "auto", shapes, measure, target.device, cache_dir)
+    choice = choose_dtype("train_draft", "auto", shapes, measure, target.device, cache_dir)
+    return ranks.broadcast(choice)
 
 
 def set_target_dtype(
-    cfg: DictConfig, target: Target, row: dict, resumed_dtype: str | None = None
-) -> DtypeChoice:
+    cfg: DictConfig, target: Target, row: dict, resumed_dtype: str | None = None,
+    ranks: Ranks | None = None,
+) -> DtypeChoice:  # fmt: skip
     """The target's training dtype (target.dtype; "auto": measured, or on a resume the dtype
-    the run's checkpoint ran in), the target cast to it in place."""
-    setting = str(cfg.target.dtype)
+    the run's checkpoint ran in), the target cast to it in place. With several processes
+    rank 0 measures and every rank takes its verdict."""
+    setting, ranks = str(cfg.target.dtype), ranks or Ranks()
     if setting == "auto" and resumed_dtype is not None:
         choice = DtypeChoice("train_target", resumed_dtype, "resumed")
-    else:
+    elif setting != "auto" or ranks.main:
         choice = choose_target_dtype(setting, target, row, cfg.data.get("cache_dir"))
+    else:
+        choice = None  # rank 0's verdict, below
+    if setting == "auto" and resumed_dtype is None:
+        choice = ranks.broadcast(choice)
     if target.dtype != resolve_dtype(choice.dtype):
         target.to(dtype=resolve_dtype(choice.dtype))
     return choice

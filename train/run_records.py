@@ -5,6 +5,7 @@ far; `checkpoint_and_evaluate`, a checkpoint (train/checkpoint.py) with its eval
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,7 @@ def checkpoint_and_evaluate(
     every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
     if tc.eval_at_ckpt and (last or not every or step % every == 0):
         rng = rng_state()  # evaluation must not shift the training RNG stream
+        started = time.perf_counter()
         with eval_draft(strategy, core, draft_state, accelerator.device) as full:
             result, records.decode_copies = evaluate_checkpoint(
                 target, full, prepared.eval_prompts, cfg, records.last_train,
@@ -78,6 +80,7 @@ def checkpoint_and_evaluate(
             )  # fmt: skip
         set_rng_state(rng)
         result["step"] = step
+        result["eval_s"] = round(time.perf_counter() - started, 1)  # probes, copies, decoding
         records.evals.append(result)
         log.write({"kind": "eval", **result})  # the main rank's
     accelerator.wait_for_everyone()

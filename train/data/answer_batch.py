@@ -15,8 +15,9 @@ answers the default data about twice as fast as transformers' `generate` in batc
 
 Greedy answers are the target's argmax at every step (equal to plain decoding of each prompt
 alone in tests/test_regenerate.py). Sampled answers draw from the target's distribution after
-temperature and top-p, prompt i with its own generator seeded `seeds[i]`: the same answer
-whatever slot, batch or process answers it.
+temperature and top-p, prompt i with its own generator seeded `seeds[i]`, so the random
+draws of an answer do not depend on the slot, the batch or the process that answers it (its
+logits can, at the rounding level: which prompts share a prefill changes the kernels' shapes).
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ def prepare_data(
 
     `ranks` (train/ranks.py): every rank of a run calls this and answers its share of the
     prompts; rank 0 picks the regeneration dtype for all of them; every rank gets the
-    same data. `regen_backend`: hf (HF generate in this process, in `regen_dtype`,
-    `regen_batch_size` rows a batch) or openai (an OpenAI-compatible server: the other
+    same data. `regen_backend`: hf (the target in this process, in `regen_dtype`,
+    `regen_batch_size` slots of continuous batching: train/data/answer_batch.py) or openai (an OpenAI-compatible server: the other
     regen_* settings, train/data/regen_openai.py; rank 0 sends the requests, the server
     batches them, the other ranks read its cache).
     """

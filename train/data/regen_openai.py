@@ -13,7 +13,7 @@ The cache is the hf backend's (`train/data/regenerate.py`: <root>/data/regen/<ke
 responses.jsonl, one line per answered prompt, keyed by the prompt's token ids), written one
 line per finished answer (a crash loses only the requests in flight). Its settings key has
 `backend: openai`, the served model's name and the extra request fields in place of the
-dtype, so an engine's answers are never mixed with HF `generate`'s. The server is contacted
+dtype, so an engine's answers are never mixed with the hf backend's. The server is contacted
 only when prompts are left to answer (a rerun over a full cache needs none), and then first
 of all: an unreachable server or an unknown model name is refused before any request.
 

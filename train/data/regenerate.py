@@ -67,7 +67,7 @@ def settings_key(
     to bf16 (not the target's own answers), so they are deliberately not reused."""
     if chat_template is None:
         chat_template = target.tokenizer.chat_template or ""
-    return {
+    key = {
         "target": target.name,
         "weights": target.fingerprint,
         "chat_template": _sha(chat_template),
@@ -79,6 +79,9 @@ def settings_key(
         "top_p": top_p if temperature > 0 else None,
         "seed": seed if temperature > 0 else None,
     }
+    if temperature > 0:  # each prompt draws from its own generator (train/data/answer_batch.py)
+        key["sampler"] = "per-prompt"
+    return key
 
 
 def legacy_key(settings: dict) -> str:
@@ -206,9 +209,9 @@ def regenerate(
     ranks.barrier()  # every rank has read the same answers before any rank appends more
     todo = sorted(
         {k: i for i, k in enumerate(keys) if k not in done}.values(), key=lambda i: -len(prompts[i])
-    )  # similar lengths share a batch: less padding
+    )  # longest first: the prompts prefilled together are of similar lengths
     batches = [todo[start : start + batch_size] for start in range(0, len(todo), batch_size)]
-    mine = [(b, batch) for b, batch in enumerate(batches) if b % ranks.world == ranks.rank]
+    mine = [batch for b, batch in enumerate(batches) if b % ranks.world == ranks.rank]
     stats = {
         "prompts": len(prompts),
         "cached": len(prompts) - len(todo),
@@ -227,7 +230,7 @@ def regenerate(
         eos = set(target.eos_token_ids)
         pad_id = target.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else target.eos_token_ids[0]
-        share = [i for _, batch in mine for i in batch]  # this rank's prompts, longest first
+        share = [i for batch in mine for i in batch]  # this rank's prompts, longest first
         bar = tqdm(total=len(share), desc="regenerate", unit="prompt",
                    disable=not (progress and ranks.main))  # fmt: skip
         t0 = time.perf_counter()
@@ -236,13 +239,11 @@ def regenerate(
                 out.write("\n")
 
             def save(position: int, new: list[int]) -> None:  # as each answer ends
-                i = share[position]
-                stop = next((j for j, t in enumerate(new) if t in eos), None)
-                ids = new if stop is None else new[: stop + 1]
+                i, ids = share[position], list(new)  # an answer ends at its first EOS
                 row = {
                     "prompt": keys[i],
                     "ids": ids,
-                    "finished": stop is not None,
+                    "finished": bool(ids) and ids[-1] in eos,
                     "text": target.tokenizer.decode(ids, skip_special_tokens=True),
                 }
                 done[keys[i]] = row
