@@ -320,7 +320,7 @@ class EagleDraft(nn.Module):
         aux, extras = None, vocab.extras(self)
         if self.feature_loss_weight > 0:
             aux = self.feature_loss(hiddens, target_out.hidden[-1], valid)
-            extras["feature_loss"] = aux.detach()
+            extras["feature_loss"] = (aux / valid.sum().clamp_min(1)).detach()  # per token
             aux = self.feature_loss_weight * aux
         return DraftOutput(
             logits=all_logits,
@@ -331,8 +331,10 @@ class EagleDraft(nn.Module):
         )
 
     def feature_loss(self, hiddens: list[Tensor], target_feature: Tensor, valid: Tensor) -> Tensor:
-        """SmoothL1 between step s's hidden at anchor t and the target's f_{t+s+1}, over real
-        positions (EAGLE-1 regresses on every token, prompt included); mean over steps."""
+        """SmoothL1 between step s's hidden at anchor t and the target's f_{t+s+1}, summed over
+        real positions (EAGLE-1 regresses on every token, prompt included); mean over steps.
+        The training step divides it by the global batch's real tokens (train/step.py), so
+        ranks and micro-batches split the batch without changing the loss."""
         T = target_feature.shape[1]
         losses = []
         for s, h in enumerate(hiddens):
@@ -342,7 +344,7 @@ class EagleDraft(nn.Module):
                 h[:, : T - s - 1].float(), target_feature[:, s + 1 :].float(), reduction="none"
             ).mean(-1)  # [B, T-s-1]
             m = valid[:, s + 1 :].float()
-            losses.append((err * m).sum() / m.sum().clamp_min(1.0))
+            losses.append((err * m).sum())
         return torch.stack(losses).mean()
 
 

@@ -146,7 +146,7 @@ class MedusaHeads(nn.Module):
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             ).last_hidden_state  # [B, T, H], grads flow into the LoRA matrices
             # The adapted model's own next-token logits: the training step adds
-            # lm_loss_weight * KL(p_target || p_adapted) (train/step_stats.py: aux_loss).
+            # lm_loss_weight * KL(p_target || p_adapted) (train/step.py: aux_loss).
             adapted_logits = target.head_logits(hidden.to(target.dtype))  # [B, T, V]
         logits = self.head_logits(hidden, target)  # K x [B, T, V]
         return DraftOutput(

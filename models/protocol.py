@@ -30,14 +30,15 @@ from models.target import Target, TargetOutput
 class DraftOutput:
     logits: list[Tensor]  # one [B, T, V_draft] per predicted offset
     offsets: list[int]  # logits[i][:, t] pairs with the target at position t + offsets[i]
-    aux_loss: Tensor | None = None  # e.g. EAGLE-1 feature regression, already weighted
+    aux_loss: Tensor | None = None  # e.g. EAGLE-1 feature regression, already weighted, summed
+    # over this batch's positions: the step divides by the global batch's real tokens
     # Reduced draft vocabulary: draft id i is target id vocab_ids[i]. None = full vocabulary.
     # The loss renormalises the target distribution over these ids; the logged acceptance
     # proxy and top-1 use the full-vocabulary target, as the decoder does.
     vocab_ids: Tensor | None = None  # [V_draft] long
     # A draft that adapts the target (Medusa-2's LoRA): the adapted model's own next-token
     # logits [B, T, V] and the weight of its LM loss, weight * KL(p_target || p_adapted)
-    # over real tokens, which the training step computes (train/step_stats.py: aux_loss).
+    # over real tokens, which the training step computes (train/step.py: aux_loss).
     adapted_logits: Tensor | None = None
     adapted_loss_weight: float = 0.0
     # A draft trained at sampled positions only (DFlash / Domino anchors): logits[i] is

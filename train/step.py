@@ -12,7 +12,8 @@ offset (Medusa heads, MTP depths, EAGLE unroll steps; a draft LM has one offset 
 offset_decay**i or by the draft's own weights, and adds per-offset sums to a `StepStats`.
 `aux_loss` adds what a draft trains besides its offsets: its own weighted
 `DraftOutput.aux_loss` (EAGLE-1 feature regression) and, for a draft that adapts the target
-(Medusa-2), weight * KL(p_target || p_adapted).
+(Medusa-2), weight * KL(p_target || p_adapted), both summed over positions and divided by
+the global batch's real tokens (a mean over the batch whatever its split, as the offsets').
 
 The acceptance statistics are the decoder's (train/acceptance.py): top-1 agreement with the
 target's full-vocabulary argmax (greedy), and alpha = Σ min(p, q) over the draft's ids with
@@ -92,7 +93,7 @@ class StepStats:
     loss: Tensor  # [n_off] loss sum per offset
     alpha: Tensor  # [n_samplings, n_off] alpha sums, one row per StepSetup.samplings entry
     top1: Tensor  # [n_off] greedy hits against the target's full-vocabulary argmax
-    aux: Tensor  # [] the auxiliary loss (EAGLE-1 features, Medusa-2 LM), mean over micro-batches
+    aux: Tensor  # [] the auxiliary loss (EAGLE-1 features, Medusa-2 LM) over the global batch
     oov: Tensor  # [] trained positions at offset 0 whose target argmax is outside the draft vocab
     tokens: Tensor  # [] real tokens the draft read
 
@@ -106,14 +107,14 @@ class StepStats:
         return torch.cat([getattr(self, f.name).reshape(-1) for f in fields(self)])
 
     def reduce(self, accelerator: Accelerator) -> StepStats:
-        """Summed over ranks in one collective; `aux` becomes the mean over ranks."""
+        """Summed over ranks in one collective (each rank's `aux` is its share of the global
+        batch's, so the sum is the global one)."""
         flat = accelerator.reduce(self.flat(), reduction="sum")
         out, start = {}, 0
         for f in fields(self):
             p = getattr(self, f.name)
             out[f.name] = flat[start : start + p.numel()].view(p.shape)
             start += p.numel()
-        out["aux"] = out["aux"] / accelerator.num_processes
         return StepStats(**out)
 
 
@@ -233,7 +234,7 @@ def offset_losses(
 
 
 def adapted_lm_kl(out: DraftOutput, target_logits: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """KL(p_target || p_adapted) over the real tokens: how far a draft's adapted target
+    """KL(p_target || p_adapted) summed over the real tokens: how far a draft's adapted target
     (Medusa-2's LoRA, `out.adapted_logits` [B, T, V]) has moved from the frozen one
     (`target_logits` [B, T, V])."""
     own = out.adapted_logits  # [B, T, V]
@@ -241,17 +242,19 @@ def adapted_lm_kl(out: DraftOutput, target_logits: Tensor, attention_mask: Tenso
         attention_mask = torch.ones(own.shape[:2], dtype=torch.long, device=own.device)
     vocab = own.shape[-1]
     return forward_kl(
-        own.reshape(-1, vocab), target_logits.reshape(-1, vocab), attention_mask.reshape(-1)
-    )
+        own.reshape(-1, vocab), target_logits.reshape(-1, vocab), attention_mask.reshape(-1),
+        reduction="sum",
+    )  # fmt: skip
 
 
 def aux_loss(
     out: DraftOutput, target_logits: Tensor, attention_mask: Tensor | None
 ) -> Tensor | None:
-    """The draft's loss besides its offsets, weighted: its own `aux_loss` (EAGLE-1 feature
-    regression) plus, when it adapts the target (Medusa-2), adapted_loss_weight *
-    KL(p_target || p_adapted), which keeps the adapted model's outputs where they were.
-    None when the draft has neither."""
+    """The draft's loss besides its offsets, weighted and summed over this micro-batch's
+    positions: its own `aux_loss` (EAGLE-1 feature regression) plus, when it adapts the
+    target (Medusa-2), adapted_loss_weight * KL(p_target || p_adapted), which keeps the
+    adapted model's outputs where they were. The step divides it by the global batch's real
+    tokens. None when the draft has neither."""
     total = out.aux_loss
     if out.adapted_logits is not None:
         lm = out.adapted_loss_weight * adapted_lm_kl(out, target_logits, attention_mask)
@@ -290,6 +293,9 @@ def train_step(
         device=accelerator.device,
     ).sum(0)  # [n_off]
     counts = accelerator.reduce(counts, reduction="sum").clamp_min(1.0)
+    # Global real tokens: the auxiliary losses are means over them, whatever the split.
+    real = torch.stack([b["attention_mask"].sum() for b in micro]).sum().float()
+    real = accelerator.reduce(real.to(accelerator.device), reduction="sum").clamp_min(1.0)
     stats = StepStats.zeros(n_off, len(setup.samplings), accelerator.device)
     target_s = 0.0
     replay_share = 0.0  # replay's share of the loss; the offline part gets 1 - share
@@ -316,9 +322,10 @@ def train_step(
                 loss = offset_losses(out, t_out.logits, b, counts, setup, stats)
                 aux = aux_loss(out, t_out.logits, b["attention_mask"])
             loss = loss * world * (1.0 - replay_share)
-            if aux is not None:
-                loss = loss + aux / len(micro)
-                stats.aux += aux.detach().float() / len(micro)
+            if aux is not None:  # its share of the global mean, x world as the offsets'
+                aux = aux / real
+                loss = loss + aux * world
+                stats.aux += aux.detach().float()
             stats.tokens += b["attention_mask"].sum()
             accelerator.backward(loss)
     stats = stats.reduce(accelerator)
