@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
     result, _ = evaluate_checkpoint(target, draft, eval_prompts, cfg, None)  # no training record
     meta = ckpt / "meta.json" if ckpt else None  # the step, as the run's eval records carry it
     result["step"] = json.loads(meta.read_text())["step"] if meta and meta.is_file() else None
-    progress(f"done in {time.perf_counter() - t0:.1f}s")
+    result["eval_s"] = round(time.perf_counter() - t0, 1)  # as a run's eval records have it
+    progress(f"done in {result['eval_s']:.1f}s")
     print(format_eval_table([result]))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
