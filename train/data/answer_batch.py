@@ -9,10 +9,11 @@ Continuous batching over a fixed number of slots, each holding one prompt's answ
 
 A slot whose answer ends (EOS, or max_new_tokens) is refilled before the next step, so every
 step runs a full batch, and a batch never waits for its longest answer; the K/V is
-preallocated (`SlotCache`), so no step copies the cache to grow it. On the 2-core AVX2 CPU
-it answered the default data's 256 prompts at 65 tokens/s (float32, 64 slots) where
-transformers' `generate` in batches of 16 ran at 37 (two fresh-clone runs, not interleaved:
-README's first-run table; `scripts/bench_regen.py` times them side by side).
+preallocated (`SlotCache`), so no step copies the cache to grow it. Side by side on the
+2-core AVX2 CPU (`scripts/bench_regen.py`, 32 prompts, 2 interleaved repeats, float32,
+docs/bench_regen_cpu.json) it ran at 65 tokens/s with 64 slots against 62 for transformers'
+`generate` in batches of 16, and 54 with 16 slots; every answer was the same. Its gains are
+the answers saved one by one and sampling that does not depend on the batch, more than speed.
 
 Greedy answers are the target's argmax at every step (equal to plain decoding of each prompt
 alone in tests/test_regenerate.py). Sampled answers draw from the target's distribution after
