@@ -37,8 +37,8 @@ CANDIDATES = ("float32", "bfloat16")
 
 @dataclass
 class DtypeChoice:
-    use: str  # "decode", "regenerate", ...
-    dtype: str  # "float32" | "bfloat16" (or the explicit setting)
+    use: str  # "decode", "regenerate", ... ("compile": the decode path, not a dtype)
+    dtype: str  # "float32" | "bfloat16" (or the explicit setting); "eager" | "compiled"
     source: str  # "explicit" | "cuda" | "measured" | "cached"
     seconds: dict[str, float] = field(default_factory=dict)  # median per candidate
     shapes: dict = field(default_factory=dict)
@@ -106,12 +106,26 @@ def choose_dtype(
         return DtypeChoice(use, name, "explicit", shapes=shapes)
     if device.type == "cuda":
         return DtypeChoice(use, "bfloat16", "cuda", shapes=shapes)
+    return choose_measured(use, shapes, lambda name: measure(resolve_dtype(name)), cache_dir)
+
+
+def choose_measured(
+    use: str,
+    shapes: dict,
+    measure: Callable[[str], float],
+    cache_dir: str | Path | None = None,
+    candidates: tuple[str, ...] = CANDIDATES,
+) -> DtypeChoice:
+    """The faster of `candidates` by `measure(name)` (seconds; the first listed wins a tie),
+    read from the cache when this machine measured the same use and shapes before, and
+    written to it otherwise. Dtypes use it through `choose_dtype`; the compiled path's choice
+    (train/evaluate.py, `decode.compile=auto`) with candidates ("eager", "compiled")."""
     key = {**machine_key(), "use": use, "shapes": shapes}
     path = cache_file(cache_dir, key)
     if path.is_file():
         cached = json.loads(path.read_text())
         return DtypeChoice(use, cached["dtype"], "cached", cached["seconds"], shapes)
-    seconds = {name: measure(resolve_dtype(name)) for name in CANDIDATES}
+    seconds = {name: measure(name) for name in candidates}
     choice = DtypeChoice(use, pick_fastest(seconds), "measured", seconds, shapes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")

@@ -75,13 +75,19 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from models import vocab
-from models.eagle_init import default_eagle3_layers, identity_init, measure_tap_scale
+from models.eagle_init import (
+    default_eagle3_layers,
+    identity_init,
+    measure_tap_scale,
+    target_layer_init,
+)
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
 
 STYLES = ("eagle1", "eagle3")
 # Top-level names of the layout before the served one (issue #16): such a checkpoint cannot
 # be mapped onto this module (q/k/v had H inputs after an `input_proj`).
+INITS = ("identity", "target_layer", "random")
 PRE_SERVED_KEYS = ("fuse", "input_proj", "layer", "feature_norm", "embed_norm")
 
 
@@ -378,10 +384,16 @@ def from_target(
     read (default: [-1] for EAGLE-1, low/mid/high for EAGLE-3). `vocab_size`: "full" or N
     (the N most frequent trained tokens; needs `token_counts` or a checkpoint's d2t/t2d).
     `init`: "identity" starts the head as a logit lens of the deepest tapped feature (see
-    `models.eagle_init.identity_init`), "random" is plain random init. EAGLE-3's tap scale
+    `models.eagle_init.identity_init`), "target_layer" (EAGLE-3) as the target layer that
+    tap enters (`target_layer_init`), "random" is plain random init. EAGLE-3's tap scale
     is measured on the target here (one short forward, `measure_tap_scale`)."""
-    if init not in ("identity", "random"):
-        raise ValueError(f"init must be 'identity' or 'random', got {init!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if init == "target_layer" and style != "eagle3":
+        raise ValueError(
+            "init=target_layer copies a target layer into EAGLE-3's 2H-wide q/k/v; for "
+            f"style={style!r} use init=identity or random"
+        )
     cfg = target.config
     if layers is None:
         layers = [-1] if style == "eagle1" else list(default_eagle3_layers(target.num_layers))
@@ -422,6 +434,10 @@ def from_target(
             draft.norm.weight.copy_(target.final_norm_weight)
         if init == "identity":
             identity_init(draft.fc, draft.hidden_layers, draft.layers[0], style)
+        elif init == "target_layer":
+            target_layer_init(
+                target, draft.hidden_layers, draft.tap_scale, draft.fc, draft.layers[0]
+            )
         if draft.lm_head is not None:
             draft.lm_head.weight.copy_(vocab.head_rows(target.lm_head.weight, draft.vocab_ids()))
     return draft.to(device=target.device)

@@ -62,3 +62,59 @@ def identity_init(
         fc.weight[:, H:] = eye  # feature half
     layer.self_attn.o_proj.weight.zero_()
     layer.mlp.down_proj.weight.zero_()
+
+
+def target_layer_init(
+    target: Target,
+    hidden_layers: tuple[int, ...],
+    tap_scale: Tensor,  # [n] the fixed input scale of each tap (EagleDraft.tap_scale)
+    fc: nn.Linear,  # [H, n*H] over the n taps
+    layer: nn.Module,  # models.eagle.EagleLayer, EAGLE-3 style (2H-wide q/k/v)
+) -> int:
+    """Start EAGLE-3's decoder layer as the target layer that the deepest tap enters (in
+    place); returns that layer's index.
+
+    hidden_states[d] is the input of the target's layer d, so with `fc` selecting the deepest
+    tap (as `identity_init`), the feature half of q/k/v, `hidden_norm`, o_proj, the
+    post-attention norm and the MLP copied from layer d, and the embedding half of q/k/v
+    zero, the first unroll step computes s * hidden_states[d + 1] at every position (its
+    attention reads the same keys the target's does): the draft starts one target layer
+    deeper than the logit lens, with a working attention and MLP to adapt instead of zeros.
+    s is the deepest tap's scale: the norms inside the layer do not see it, so o_proj and
+    down_proj are scaled by s to keep the residual stream in the tap's units. The last tap
+    (-1, or L: after the final norm) has no layer after it; layer L - 1 is used then."""
+    L, H = target.num_layers, fc.weight.shape[0]
+    depth = [la if 0 <= la < L else L - 1 for la in hidden_layers]
+    deepest = max(range(len(depth)), key=lambda i: depth[i])
+    source = target.model.model.layers[depth[deepest]]
+    s = float(tap_scale[deepest])
+    fc.weight.zero_()
+    fc.weight[:, deepest * H : (deepest + 1) * H] = torch.eye(H, dtype=fc.weight.dtype)
+    attn, theirs = layer.self_attn, source.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        mine, src = getattr(attn, name), getattr(theirs, name)
+        if mine.weight.shape != (src.weight.shape[0], 2 * H):
+            raise ValueError(
+                f"draft {name} is {tuple(mine.weight.shape)}, the target layer's "
+                f"{tuple(src.weight.shape)}: init=target_layer needs the target's head layout"
+            )
+        mine.weight.zero_()
+        mine.weight[:, H:] = src.weight.float()
+        if mine.bias is not None:
+            mine.bias.copy_(src.bias if src.bias is not None else torch.zeros_like(mine.bias))
+    attn.o_proj.weight.copy_(theirs.o_proj.weight.float() * s)
+    if attn.o_proj.bias is not None:
+        attn.o_proj.bias.copy_(theirs.o_proj.bias.float() * s)
+    layer.hidden_norm.weight.copy_(source.input_layernorm.weight)
+    layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+    mlp, src_mlp = layer.mlp, source.mlp
+    if mlp.gate_proj.weight.shape != src_mlp.gate_proj.weight.shape:
+        raise ValueError(
+            f"draft MLP is {tuple(mlp.gate_proj.weight.shape)}, the target layer's "
+            f"{tuple(src_mlp.gate_proj.weight.shape)}: init=target_layer needs "
+            "intermediate_size: null (the target's)"
+        )
+    mlp.gate_proj.weight.copy_(src_mlp.gate_proj.weight)
+    mlp.up_proj.weight.copy_(src_mlp.up_proj.weight)
+    mlp.down_proj.weight.copy_(src_mlp.down_proj.weight.float() * s)
+    return depth[deepest]

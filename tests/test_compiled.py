@@ -310,7 +310,7 @@ def test_evaluate_checkpoint_keeps_the_graphs_between_checkpoints(target, monkey
     [
         (dict(compile_mode="fastest"), "decode.compile_mode"),
         (dict(warmup=0), "decode.warmup >= 1"),
-        (dict(compile="yes"), "decode.compile must be true or false"),
+        (dict(compile="yes"), "decode.compile must be true, false, only or auto"),
     ],
 )
 def test_bad_compile_settings_raise(change, words):

@@ -352,3 +352,18 @@ def test_tap_scale_brings_each_tap_to_unit_size_by_a_power_of_two():
     for layer, s in zip(draft.hidden_layers, scale):
         rms = (out.hidden[layer][:, 1:] * s).pow(2).mean(-1).sqrt().median()
         assert 0.5 <= float(rms) <= 2.0, (layer, float(rms))
+
+
+def test_target_layer_init_starts_one_target_layer_deeper():
+    """init=target_layer: step 0 of a fresh EAGLE-3 head is the target layer that the
+    deepest tap (5) enters, so the head starts as the logit lens of hidden_states[6]."""
+    target = build_tiny_random(seed=0, num_layers=8, device="cpu")
+    draft = from_target(target, None, ttt_steps=2, vocab_size="full", init="target_layer")
+    assert draft.hidden_layers == (2, 4, 5)
+    ids = torch.randint(6, target.vocab_size, (2, 10), generator=torch.Generator().manual_seed(8))
+    out = target(ids, hidden_layers=(*draft.hidden_layers, 6))
+    with torch.no_grad():
+        lens = target.lm_head(target.final_norm(out.hidden[6]))  # [2, T, V]
+        torch.testing.assert_close(draft(target, ids, out).logits[0], lens, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="init=target_layer.*eagle1"):
+        from_target(target, None, style="eagle1", vocab_size="full", init="target_layer")

@@ -18,7 +18,12 @@ decoding/entropy.py, docs/design.md §3).
 `decode.compile=true` also decodes every temperature through the compiled path
 (decoding/compiled.py, docs/fastpath.md) and logs `<tag>/compiled_<key>` beside the eager
 keys, its speedup against a compiled AR baseline; `compile_s`, `compiled_graphs` and
-`compiled_cudagraphs` (CUDA-graph recordings) say what compiling cost at this checkpoint. The compiled target and one draft copy with its drafter
+`compiled_cudagraphs` (CUDA-graph recordings) say what compiling cost at this checkpoint.
+`decode.compile=only` makes the compiled path THE evaluation: per prompt, interleaved, the
+compiled AR, the compiled speculative decode and the eager AR in its fastest dtype (no eager
+speculative pass); `<tag>/speedup` is then against the compiled AR, `<tag>/speedup_eager_ar`
+against the eager one and `<tag>/speedup_best_ar` against the faster of the two
+(`compiled_against_both`). The compiled target and one draft copy with its drafter
 are built at a run's first evaluation and kept (`DecodeCopies`): later checkpoints copy their
 weights into that copy in place, so no graph is compiled again.
 
@@ -49,6 +54,12 @@ from decoding.tree import TreeSpec
 from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
+from train.eval_compiled import (
+    COMPILED_KEYS,
+    compile_choice,
+    compiled_against_both,
+    compiled_decoding,
+)
 from train.ranks import Ranks
 from train.step_stats import decode_samplings
 
@@ -148,11 +159,6 @@ def draft_dtype_choice(
     return choose_dtype("draft", setting, shapes, measure, target.device, cache_dir)
 
 
-# What the compiled path reports beside the eager keys, as <tag>/compiled_<key>.
-COMPILED_KEYS = ("tau", "speedup", "tokens_per_s", "ar_tokens_per_s", "wall_time_ratio",
-                 "greedy_match_rate")  # fmt: skip
-
-
 @dataclass
 class DecodeCopies:
     """What evaluate_checkpoint keeps for a run's next checkpoint."""
@@ -163,34 +169,6 @@ class DecodeCopies:
     compiled: CompiledTarget | None = None  # decode.compile: its compiled target, and the
     draft: torch.nn.Module | None = None  # draft copy (weights copied in at each checkpoint)
     drafter: Drafter | None = None  # and drafter whose graphs read them
-
-
-def compiled_decoding(
-    copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
-    dec: DictConfig, tree: TreeSpec | None, max_len: int,
-) -> tuple[CompiledTarget, Drafter]:  # fmt: skip
-    """The compiled target and drafter for this checkpoint's `draft_eval`. Built once; later
-    checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
-    in place: a new module would compile new graphs."""
-    adapted = decode_target is not copies.target  # Medusa-2: weights change per checkpoint
-    if copies.compiled is None:
-        k = int(dec.k)
-        widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
-        if tree is None and dec.get("adaptive_k", False):
-            widths += (2 * k + 1,)  # adaptive k reaches 2k
-        levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
-        copies.compiled = CompiledTarget(
-            decode_target, max_len + max(widths), widths, drafter.hidden_layers,
-            mode=dec.get("compile_mode", "auto"), freeze=False if adapted else None,
-            draft_widths=levels,  # an EAGLE-2 tree level's width, compiled before timing
-        )  # fmt: skip
-        copies.compiled.warmup()
-        copies.draft, copies.drafter = draft_eval, make_drafter(draft_eval, copies.compiled)
-    else:
-        copies.draft.load_state_dict(draft_eval.state_dict())
-        if adapted:
-            copies.compiled.model.load_state_dict(decode_target.model.state_dict())
-    return copies.compiled, copies.drafter
 
 
 def evaluate_checkpoint(
@@ -240,9 +218,25 @@ def evaluate_checkpoint(
     result: dict = {"k": k, "num_prompts": len(prompts)}
     max_new_tokens = int(dec.get("max_new_tokens", 64))
     compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
-    if dec.get("compile", False):
-        graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
-        max_len = max(p.shape[1] for p in prompts) + max_new_tokens
+    setting = dec.get("compile", False)
+    graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
+    max_len = max(p.shape[1] for p in prompts) + max_new_tokens
+    if setting == "auto":  # measured at a run's first evaluation by rank 0, then kept
+        if "compile" not in target_eval.dtypes:
+            choice = None
+            if ranks.main:
+                cache_dir = (cfg.get("data") or {}).get("cache_dir")
+                choice = compile_choice(
+                    target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
+                    [p.shape[1] for p in prompts], cache_dir,
+                ).as_record()  # fmt: skip
+                print(f"decode path: {choice['dtype']} ({choice['source']}; " + ", ".join(
+                    f"{k} {v * 1e3:.1f} ms" for k, v in choice["seconds"].items()) + ")",
+                    flush=True)  # fmt: skip
+            target_eval.dtypes["compile"] = ranks.broadcast(choice)
+        setting = "only" if target_eval.dtypes["compile"]["dtype"] == "compiled" else False
+    only_compiled = setting == "only"  # the compiled decode IS the evaluation
+    if setting:
         compiled = compiled_decoding(
             target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
         )
@@ -262,15 +256,25 @@ def evaluate_checkpoint(
             tree=tree,
         )
         with torch.no_grad():
-            share = decode_prompts(
-                decode_target, drafter, prompts, mine, baseline=target_eval.baseline,
-                same_dtype_ar=same_dtype_ar, **kw,
-            )  # fmt: skip
+            if only_compiled:  # compiled AR, compiled spec, eager AR in its fastest dtype
+                eager_ar = target_eval.baseline or decode_target
+                if decode_target is not target_eval.target:  # Medusa-2: the adapted target
+                    eager_ar = decode_target
+                share = decode_prompts(
+                    *compiled, prompts, mine, baseline=eager_ar, **kw
+                )  # fmt: skip
+            else:
+                share = decode_prompts(
+                    decode_target, drafter, prompts, mine, baseline=target_eval.baseline,
+                    same_dtype_ar=same_dtype_ar, **kw,
+                )  # fmt: skip
             parts = ranks.gather(share)
             if ranks.world > 1:  # which rank decoded which prompts
                 result["prompts_by_rank"] = [part.indices for part in parts]
             m = summarize(merge_decoded(parts))
-            if compiled is not None:  # COMPILED_KEYS only
+            if only_compiled:
+                m = compiled_against_both(m)
+            elif compiled is not None:  # COMPILED_KEYS only
                 share = decode_prompts(*compiled, prompts, mine, entropy=False, **kw)
                 mc = summarize(merge_decoded(ranks.gather(share)))
                 result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
@@ -288,8 +292,13 @@ def evaluate_checkpoint(
     result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
     result["speedup"] = result.get(f"{first}/speedup")
     result["speedup_best_ar"] = result.get(f"{first}/speedup_best_ar")
-    if compiled is not None:
+    if only_compiled:
+        result["decode_path"] = "compiled"
+        result["speedup_eager_ar"] = result[f"{first}/speedup_eager_ar"]
+        result["speedup_compiled"] = result[f"{first}/speedup_compiled_ar"]
+    elif compiled is not None:
         result["speedup_compiled"] = result[f"{first}/compiled_speedup"]
+    if compiled is not None:
         result["compile_s"] = STATS.seconds - seconds  # 0 once a run's graphs exist
         result["compiled_graphs"] = STATS.graphs - graphs
         # CUDA-graph recordings; None where this torch does not announce them
@@ -313,7 +322,7 @@ def format_eval_table(evals: list[dict]) -> str:
                 f"| {ev.get('step', '?')} | {tag} | {tau:.3f} | {alpha} "
                 f"| {ev.get(f'{tag}/speedup', float('nan')):.2f}x "
                 f"| {ev.get(f'{tag}/speedup_best_ar', float('nan')):.2f}x "
-                f"({ev.get(f'{tag}/best_ar_dtype', '?')}) "
+                f"({ev.get(f'{tag}/best_ar', ev.get(f'{tag}/best_ar_dtype', '?'))}) "
                 f"| {ev.get(f'{tag}/tokens_per_s', float('nan')):.1f} "
                 f"| {ev.get(f'{tag}/ar_tokens_per_s', float('nan')):.1f} |"
             )

@@ -1,0 +1,136 @@
+"""The compiled path as evaluation's decode (train/eval_compiled.py): `decode.compile=only`
+decodes the compiled AR, the compiled speculative decode and the eager AR, and nothing else;
+`decode.compile=auto` takes the faster of the eager and compiled verify forward on this
+machine, measured once and cached per machine. Tiny random target, float32, aot_eager (no
+code generation), timings faked where a verdict is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import decoding.metrics
+import models.dtype_choice
+import train.eval_compiled
+from decoding.compiled import CompiledTarget
+from models import draft_lm
+from models.target import Target
+from tests.helpers import untied_target
+from tests.test_compiled import eval_cfg, prompts
+from train.evaluate import evaluate_checkpoint
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return untied_target(device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_graphs():
+    """Dynamo's graphs outlive a test and serve any module of the same code and shapes: drop
+    them after each test, so a later test that counts the graphs it compiles counts them."""
+    yield
+    torch._dynamo.reset()
+
+
+def recorded_decodes(monkeypatch) -> list[tuple[str, bool]]:
+    """(path, speculative?) of every decode evaluation runs, appended as they run."""
+    calls = []
+    real_generate = decoding.metrics.generate
+
+    def recording_generate(decode_target, prompt, drafter, **kwargs):
+        path = "compiled" if isinstance(decode_target, CompiledTarget) else "eager"
+        calls.append((path, drafter is not None))
+        return real_generate(decode_target, prompt, drafter, **kwargs)
+
+    monkeypatch.setattr(decoding.metrics, "generate", recording_generate)
+    return calls
+
+
+def eval_prompts() -> list[dict]:
+    return [{"input_ids": p[0].tolist()} for p in prompts(2, seed=11)]
+
+
+def test_compile_only_is_the_evaluation_against_both_ars(target, monkeypatch):
+    """decode.compile=only: per prompt the compiled AR, the compiled speculative decode and
+    the eager AR, and nothing else (no eager speculative pass); `speedup` is against the
+    compiled AR, `speedup_eager_ar` against the eager one, `speedup_best_ar` against the
+    faster of the two."""
+    calls = recorded_decodes(monkeypatch)
+    draft = draft_lm.from_target(target, num_layers=2, init="random")
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), eval_cfg(compile="only"), None)
+    timed = calls[-6:]  # after the warm-up prompt: 2 prompts x 3 decodes
+    assert sorted(set(calls)) == [("compiled", False), ("compiled", True), ("eager", False)]
+    assert timed == [("compiled", False), ("compiled", True), ("eager", False)] * 2
+    g = {key.removeprefix("greedy/"): v for key, v in result.items() if key.startswith("greedy/")}
+    assert result["decode_path"] == "compiled" and g["greedy_match_rate"] == 1.0
+    assert g["entropy_alpha"] is not None  # the compiled decode is probed like the eager one
+    assert (
+        g["speedup"]
+        == g["speedup_compiled_ar"]
+        == pytest.approx(g["tokens_per_s"] / g["compiled_ar_tokens_per_s"])
+    )
+    assert g["speedup_eager_ar"] == pytest.approx(g["tokens_per_s"] / g["eager_ar_tokens_per_s"])
+    faster = max(g["compiled_ar_tokens_per_s"], g["eager_ar_tokens_per_s"])
+    assert g["speedup_best_ar"] == pytest.approx(g["tokens_per_s"] / faster)
+    assert g["best_ar"].split()[0] == (
+        "compiled" if faster == g["compiled_ar_tokens_per_s"] else "eager"
+    )
+    assert result["speedup_eager_ar"] == g["speedup_eager_ar"]
+
+
+def fake_forward_seconds(monkeypatch, eager_s: float, compiled_s: float) -> list[str]:
+    """forward_seconds answering fixed times per path; returns the paths it was asked for."""
+    asked = []
+
+    def fake(decode_target, width, cached, hidden_layers, repeats=5):
+        path = "compiled" if isinstance(decode_target, CompiledTarget) else "eager"
+        asked.append(path)
+        return compiled_s if path == "compiled" else eager_s
+
+    monkeypatch.setattr(train.eval_compiled, "forward_seconds", fake)
+    return asked
+
+
+def auto_cfg(cache_dir):
+    cfg = eval_cfg(compile="auto")
+    cfg.data = {"cache_dir": str(cache_dir)}
+    return cfg
+
+
+@pytest.mark.parametrize("faster", ["compiled", "eager"])
+def test_compile_auto_takes_the_faster_path_and_remembers_it(target, monkeypatch, tmp_path, faster):
+    """auto measures both verify forwards once, decodes the faster path (compiled: as `only`;
+    eager: no compiled decode and no graphs kept), and writes the verdict to the cache: a
+    second run on this machine reads it without measuring; another machine measures again."""
+    asked = fake_forward_seconds(monkeypatch, *((0.2, 0.1) if faster == "compiled" else (0.1, 0.2)))
+    calls = recorded_decodes(monkeypatch)
+    draft = draft_lm.from_target(target, num_layers=2, init="random")
+    result, copies = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
+    choice = result["dtypes"]["compile"]
+    assert (choice["dtype"], choice["source"]) == (faster, "measured")
+    assert choice["seconds"] == ({"eager": 0.2, "compiled": 0.1} if faster == "compiled"
+                                 else {"eager": 0.1, "compiled": 0.2})  # fmt: skip
+    assert sorted(asked) == ["compiled", "eager"]
+    spec_paths = {path for path, speculative in calls if speculative}
+    assert spec_paths == {faster}
+    assert result.get("decode_path") == ("compiled" if faster == "compiled" else None)
+    assert (copies.compiled is not None) == (faster == "compiled")
+    verdicts = [json.loads(f.read_text()) for f in (tmp_path / "dtype").glob("*.json")]
+    verdicts = [v for v in verdicts if v["key"]["use"] == "compile"]
+    assert len(verdicts) == 1 and verdicts[0]["dtype"] == faster
+
+    asked.clear()  # a later run on this machine: the cached verdict, nothing measured
+    again, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
+    assert again["dtypes"]["compile"]["source"] == "cached" and asked == []
+    assert again["dtypes"]["compile"]["dtype"] == faster
+
+    other = {**models.dtype_choice.machine_key(), "cpu": "another CPU"}
+    monkeypatch.setattr(models.dtype_choice, "machine_key", lambda: other)
+    third, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
+    assert third["dtypes"]["compile"]["source"] == "measured" and sorted(asked) == [
+        "compiled",
+        "eager",
+    ]

@@ -1,0 +1,133 @@
+"""The compiled path in evaluation (`decode.compile`: true | only | auto; train/evaluate.py,
+decoding/compiled.py, docs/fastpath.md): building the compiled target and drafter once per
+run, the measured choice of `auto`, and the speedups of an evaluation whose decode is the
+compiled one."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import DictConfig
+
+from decoding.compiled import CompiledTarget
+from decoding.drafter import Drafter
+from decoding.drafters import make_drafter
+from decoding.rounds import sync
+from decoding.tree import TreeSpec
+from models.dtype_choice import DtypeChoice, choose_measured
+from models.target import Target
+
+if TYPE_CHECKING:
+    from train.evaluate import DecodeCopies
+
+# What the compiled path reports beside the eager keys, as <tag>/compiled_<key>.
+COMPILED_KEYS = ("tau", "speedup", "tokens_per_s", "ar_tokens_per_s", "wall_time_ratio",
+                 "greedy_match_rate")  # fmt: skip
+
+
+def compiled_decoding(
+    copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
+    dec: DictConfig, tree: TreeSpec | None, max_len: int,
+) -> tuple[CompiledTarget, Drafter]:  # fmt: skip
+    """The compiled target and drafter for this checkpoint's `draft_eval`. Built once; later
+    checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
+    in place: a new module would compile new graphs."""
+    adapted = decode_target is not copies.target  # Medusa-2: weights change per checkpoint
+    if copies.compiled is None:
+        k = int(dec.k)
+        widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
+        if tree is None and dec.get("adaptive_k", False):
+            widths += (2 * k + 1,)  # adaptive k reaches 2k
+        levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
+        copies.compiled = CompiledTarget(
+            decode_target, max_len + max(widths), widths, drafter.hidden_layers,
+            mode=dec.get("compile_mode", "auto"), freeze=False if adapted else None,
+            draft_widths=levels,  # an EAGLE-2 tree level's width, compiled before timing
+        )  # fmt: skip
+        copies.compiled.warmup()
+        copies.draft, copies.drafter = draft_eval, make_drafter(draft_eval, copies.compiled)
+    else:
+        copies.draft.load_state_dict(draft_eval.state_dict())
+        if adapted:
+            copies.compiled.model.load_state_dict(decode_target.model.state_dict())
+    return copies.compiled, copies.drafter
+
+
+def compile_choice(
+    copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
+    dec: DictConfig, tree: TreeSpec | None, max_len: int, prompt_lengths: list[int],
+    cache_dir: str | None,
+) -> DtypeChoice:  # fmt: skip
+    """decode.compile=auto: "compiled" (the compiled path is the evaluation, as
+    decode.compile=only) where one verify forward (k + 1 tokens, or tree size + 1) of the
+    compiled target is faster than the eager one's, over a typical cache, on this machine;
+    else "eager". Measuring compiles the target (minutes on a CPU with autotuning); a
+    compiled verdict keeps those graphs (`copies.compiled`), an eager one drops them. The
+    verdict is cached per machine, target, dtype, width and mode (models/dtype_choice.py), so
+    a later run on this machine compiles only when it will use the graphs."""
+    width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    lengths = sorted(prompt_lengths)
+    cached = min(lengths[len(lengths) // 2] + int(dec.max_new_tokens) // 2, max_len - width)
+    layers = tuple(drafter.hidden_layers)
+    shapes = {"target": decode_target.name, "dtype": str(decode_target.dtype),
+              "device": decode_target.device.type, "width": width, "cached": cached,
+              "mode": str(dec.get("compile_mode", "auto"))}  # fmt: skip
+
+    def measure(path: str) -> float:
+        if path == "eager":
+            return forward_seconds(decode_target, width, cached, layers)
+        compiled, _ = compiled_decoding(
+            copies, draft_eval, decode_target, drafter, dec, tree, max_len
+        )
+        return forward_seconds(compiled, width, cached, layers)
+
+    choice = choose_measured("compile", shapes, measure, cache_dir, ("eager", "compiled"))
+    if choice.dtype == "eager":  # no graphs kept for a path that is not used
+        copies.compiled = copies.draft = copies.drafter = None
+    return choice
+
+
+@torch.inference_mode()
+def forward_seconds(
+    target: Target | CompiledTarget, width: int, cached: int, hidden_layers: tuple[int, ...],
+    repeats: int = 5,
+) -> float:  # fmt: skip
+    """Median seconds of one forward of `width` tokens (and the taps a drafter reads) over a
+    cache of `cached` tokens, through `target` as decoding calls it, after one warm-up."""
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (1, cached), generator=g).to(target.device)
+    step = torch.randint(0, target.vocab_size, (1, width), generator=g).to(target.device)
+    cache = target(prefix, hidden_layers=hidden_layers).cache
+    times = []
+    for _ in range(repeats + 1):  # the first is the warm-up
+        sync(target.device)
+        t0 = time.perf_counter()
+        target(step, cache=cache, hidden_layers=hidden_layers)
+        sync(target.device)
+        times.append(time.perf_counter() - t0)
+        cache.crop(-width)  # back to `cached` entries
+    return statistics.median(times[1:])
+
+
+def compiled_against_both(m: dict) -> dict:
+    """`decode.compile=only`: `summarize` of the compiled decode whose AR ran compiled (same
+    target, dtype and graphs: `speedup`, `greedy_match_rate`) and eagerly in the fastest
+    eager AR dtype (its `*best_ar*` keys). Renamed so each says which AR it divides by, and
+    `speedup_best_ar` = against the faster of the two ARs, measured side by side
+    (docs/design.md §3): no speedup is an artefact of a slow baseline."""
+    m = dict(m)
+    m["speedup_compiled_ar"], m["compiled_ar_tokens_per_s"] = m["speedup"], m["ar_tokens_per_s"]
+    m["speedup_eager_ar"], m["eager_ar_tokens_per_s"] = (
+        m["speedup_best_ar"],
+        m["best_ar_tokens_per_s"],
+    )
+    m["eager_ar_dtype"] = m["best_ar_dtype"]
+    compiled_wins = m["compiled_ar_tokens_per_s"] >= m["eager_ar_tokens_per_s"]
+    m["best_ar"] = f"compiled {m['dtype']}" if compiled_wins else f"eager {m['eager_ar_dtype']}"
+    m["best_ar_dtype"] = m["dtype"] if compiled_wins else m["eager_ar_dtype"]
+    m["best_ar_tokens_per_s"] = max(m["compiled_ar_tokens_per_s"], m["eager_ar_tokens_per_s"])
+    m["speedup_best_ar"] = m["tokens_per_s"] / m["best_ar_tokens_per_s"]
+    return m
