@@ -14,7 +14,7 @@ import torch
 import decoding.metrics
 import models.dtype_choice
 import train.eval_compiled
-from decoding.compiled import CompiledTarget
+from decoding.compiled import CompiledTarget, counts_recordings
 from models import draft_lm
 from models.target import Target
 from tests.helpers import untied_target
@@ -30,9 +30,11 @@ def target() -> Target:
 @pytest.fixture(autouse=True)
 def fresh_graphs():
     """Dynamo's graphs outlive a test and serve any module of the same code and shapes: drop
-    them after each test, so a later test that counts the graphs it compiles counts them."""
+    them after each test, so a later test that counts the graphs it compiles counts them.
+    The reset also drops dynamo's callbacks, so the recording counter registers again."""
     yield
     torch._dynamo.reset()
+    counts_recordings.cache_clear()
 
 
 def recorded_decodes(monkeypatch) -> list[tuple[str, bool]]:
