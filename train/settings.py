@@ -118,9 +118,7 @@ def check_decode(dec: DictConfig) -> None:
     check_dtype("decode.dtype", dec.dtype)
     check_dtype("decode.draft_dtype", dec.get("draft_dtype", "auto"))
     if dec.get("compile", False) not in (True, False, "only", "auto"):
-        raise ValueError(
-            f"decode.compile must be true, false, only or auto, got {dec.compile!r}"
-        )
+        raise ValueError(f"decode.compile must be true, false, only or auto, got {dec.compile!r}")
     if dec.get("compile", False):
         mode = dec.get("compile_mode", "auto")
         _named("decode.compile_mode", resolve_mode, mode, torch.device("cpu"))
