@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
@@ -20,8 +20,18 @@ from decoding.tree import TreeSpec
 from models.dtype_choice import DtypeChoice, choose_measured
 from models.target import Target
 
-if TYPE_CHECKING:
-    from train.evaluate import DecodeCopies
+
+@dataclass
+class DecodeCopies:
+    """What train/evaluate.py: evaluate_checkpoint keeps for a run's next checkpoint."""
+
+    target: Target  # the frozen target in the decoding dtype
+    dtypes: dict  # decode.dtype's choice and the fastest AR's (models/dtype_choice.py)
+    baseline: Target | None = None  # the frozen target in the fastest AR's dtype, if another
+    compiled: CompiledTarget | None = None  # decode.compile: its compiled target, and the
+    draft: torch.nn.Module | None = None  # draft copy (weights copied in at each checkpoint)
+    drafter: Drafter | None = None  # and drafter whose graphs read them
+
 
 # What the compiled path reports beside the eager keys, as <tag>/compiled_<key>.
 COMPILED_KEYS = ("tau", "speedup", "tokens_per_s", "ar_tokens_per_s", "wall_time_ratio",

@@ -40,13 +40,11 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.compiled import STATS, CompiledTarget, counts_recordings
-from decoding.drafter import Drafter
+from decoding.compiled import STATS, counts_recordings
 from decoding.drafters import make_drafter
 from decoding.metrics import decode_prompts, merge_decoded, summarize
 from decoding.spec import generate
@@ -56,6 +54,7 @@ from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from train.eval_compiled import (
     COMPILED_KEYS,
+    DecodeCopies,
     compile_choice,
     compiled_against_both,
     compiled_decoding,
@@ -157,18 +156,6 @@ def draft_dtype_choice(
         return statistics.median(times)
 
     return choose_dtype("draft", setting, shapes, measure, target.device, cache_dir)
-
-
-@dataclass
-class DecodeCopies:
-    """What evaluate_checkpoint keeps for a run's next checkpoint."""
-
-    target: Target  # the frozen target in the decoding dtype
-    dtypes: dict  # decode.dtype's choice and the fastest AR's (models/dtype_choice.py)
-    baseline: Target | None = None  # the frozen target in the fastest AR's dtype, if another
-    compiled: CompiledTarget | None = None  # decode.compile: its compiled target, and the
-    draft: torch.nn.Module | None = None  # draft copy (weights copied in at each checkpoint)
-    drafter: Drafter | None = None  # and drafter whose graphs read them
 
 
 def evaluate_checkpoint(

@@ -17,7 +17,8 @@ from models.protocol import DraftModel
 from models.target import Target
 from train.checkpoint import rng_state, save_checkpoint, set_rng_state, trainer_state
 from train.data.prepare import PreparedData
-from train.evaluate import DecodeCopies, evaluate_checkpoint, format_eval_table
+from train.eval_compiled import DecodeCopies
+from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.ranks import Ranks
 from train.replay import Replay
 from train.report.tracking import RunLog
