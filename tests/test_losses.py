@@ -269,6 +269,38 @@ def test_lk_lambda_gradient_treats_lambda_as_a_constant(alpha_mode):
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("alpha_mode", ["position", "batch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lk_lambda_written_out_gradient_is_autograds_with_a_reduced_vocab(alpha_mode, dtype):
+    """lk_lambda's gradient is computed by hand (train/losses.py: _LKLambdaRows): equal to
+    autograd through the decoder's alpha (acceptance_proxy's maths, full-vocabulary p) and
+    KL over the draft ids, lambda held constant, in float32 and bfloat16."""
+    d, t, log_norm, _ = _reduced_vocab_case(n=9)
+    T, eta = 1.3, 3.0
+    d = d.to(dtype)
+    mask = (torch.arange(9) != 2).float()
+    cut = torch.stack([torch.full_like(log_norm, float("-inf")), log_norm], -1)  # [9, 2]
+    x = d.clone().requires_grad_(True)
+    got = lk_lambda(x, t, mask, temperature=T, target_log_norm=log_norm, alpha_mode=alpha_mode)
+    got.backward()
+    y = d.clone().requires_grad_(True)
+    yf = y.float()  # one cast: its backward rounds the whole gradient to bf16 once
+    z, q = t / T, (yf / T).softmax(-1)  # [9, 6]
+    p = (z - log_norm[:, None]).exp()  # the full vocabulary's p at the draft ids
+    alpha = torch.minimum(p, q).sum(-1)  # [9]
+    p_hat = z.softmax(-1)
+    kl = (p_hat * (p_hat.log() - (yf / T).log_softmax(-1))).sum(-1)  # [9]
+    with torch.no_grad():
+        proxy = acceptance_proxy(d.float(), t, mask, Sampling(temperature=T), cut)
+        lam = torch.exp(-eta * (alpha.detach() if alpha_mode == "position" else proxy))
+    want = ((lam * kl + (1 - lam) * (1 - alpha)) * mask).sum() / mask.sum()
+    want.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    assert x.grad.dtype == dtype
+    torch.testing.assert_close(x.grad.float(), y.grad.float(), rtol=1e-5, atol=1e-7)
+    assert x.grad[2].abs().sum() == 0 and x.grad[4].abs().sum() > 0  # row 2 is masked
+
+
 def _reduced_vocab_case(n: int = 23, seed: int = 8):
     """Draft logits [n, 6] over 6 of a 10-token target vocabulary: (d, t at the draft ids,
     the full rows' logsumexp at T = 1.3, labels)."""
