@@ -235,9 +235,7 @@ def _lk_lambda_rows(
     return _LKLambdaRows.apply(draft, target, log_norm, temperature, eta, lam)
 
 
-def _lk_alpha_rows(
-    draft: Tensor, target: Tensor, log_norm: Tensor | None, temperature: float
-) -> Tensor:
+def _lk_alpha_rows(draft: Tensor, target: Tensor, log_norm: Tensor | None, temperature: float):
     alpha = _alpha_rows(draft, target, log_norm, temperature)  # [n]
     # alpha = 0 only when q and p have disjoint supports (-inf logits): a large finite loss.
     return -alpha.clamp_min(torch.finfo(alpha.dtype).tiny).log()
