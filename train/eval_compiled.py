@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from decoding.compiled import CompiledTarget
 from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
+from decoding.drafters.lookup import with_lookup
 from decoding.rounds import sync
 from decoding.tree import TreeSpec
 from models.dtype_choice import DtypeChoice, choose_measured
@@ -58,7 +59,9 @@ def compiled_decoding(
             draft_widths=levels,  # an EAGLE-2 tree level's width, compiled before timing
         )  # fmt: skip
         copies.compiled.warmup()
-        copies.draft, copies.drafter = draft_eval, make_drafter(draft_eval, copies.compiled)
+        lookup = dec.get("lookup_min_match", 0)
+        copies.draft = draft_eval
+        copies.drafter = with_lookup(make_drafter(draft_eval, copies.compiled), lookup)
     else:
         copies.draft.load_state_dict(draft_eval.state_dict())
         if adapted:

@@ -46,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from decoding.compiled import STATS, counts_recordings
 from decoding.drafters import make_drafter
+from decoding.drafters.lookup import LookupDrafter, with_lookup
 from decoding.metrics import decode_prompts, merge_decoded, summarize
 from decoding.spec import generate
 from decoding.tree import TreeSpec
@@ -196,7 +197,7 @@ def evaluate_checkpoint(
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = draft_eval.decoding_target(target_eval.target)
-    drafter = make_drafter(draft_eval, decode_target)
+    drafter = with_lookup(make_drafter(draft_eval, decode_target), dec.get("lookup_min_match", 0))
     num = dec.get("num_prompts") or len(eval_prompts)
     prompts = [
         torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in eval_prompts[:num]
@@ -242,6 +243,9 @@ def evaluate_checkpoint(
             adaptive_k=bool(dec.get("adaptive_k", False)),
             tree=tree,
         )
+        used = compiled[1] if only_compiled else drafter
+        if isinstance(used, LookupDrafter):  # rounds counted per sampling
+            used.rounds = used.lookup_rounds = 0
         with torch.no_grad():
             if only_compiled:  # compiled AR, compiled spec, eager AR in its fastest dtype
                 eager_ar = target_eval.baseline or decode_target
@@ -267,6 +271,8 @@ def evaluate_checkpoint(
                 result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
         for key, value in m.items():
             result[f"{tag}/{key}"] = value
+        if isinstance(used, LookupDrafter):  # this rank's rounds, warm-up prompts included
+            result[f"{tag}/lookup_share"] = used.lookup_rounds / max(used.rounds, 1)
         # The proxy computed at this very sampling; absent from train records written
         # before this temperature was configured (a resumed run), and then not reported.
         predicted = None

@@ -10,6 +10,7 @@ the target it decodes with, and keeps its own state between rounds. Files:
     domino.py    Domino (models/domino.py): DFlash's forward plus one cheap causal step per token
     draft_lm.py  a standalone draft LM (models/draft_lm.py) or any HF causal LM
     ngram.py     prompt lookup, no model (the training-free baseline)
+    lookup.py    prompt lookup in front of a trained drafter (decode.lookup_min_match)
     cache.py     the KV-cache bookkeeping the EAGLE and MTP drafters share
     vocab.py     a reduced draft vocabulary's ids and q back to the target's (EAGLE, DFlash, Domino)
 """

@@ -58,6 +58,7 @@ class NgramDrafter:
     ) -> tuple[Tensor, Tensor | None]:
         self.last = last_tokens.tolist()
         found = [self._lookup(h + [t], k) for h, t in zip(self.history, self.last)]
+        self.found = found  # per row: the continuation found ([] = none), before padding
         width = max(len(f) for f in found)
         # Rows with shorter matches repeat their last token: harmless, verification judges it.
         rows = [f + [f[-1] if f else t] * (width - len(f)) for f, t in zip(found, self.last)]
