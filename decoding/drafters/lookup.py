@@ -55,12 +55,12 @@ class LookupDrafter:
     def propose(
         self, last_tokens: Tensor, k: int, sampling: Sampling, generator=None
     ) -> tuple[Tensor, Tensor | None]:
-        found = self.lookup.propose(last_tokens, k, sampling)  # [B, k'], q one-hot or None
+        found = self.lookup.continuations(last_tokens, k)  # per row, [] = no match
         self.rounds += 1
-        if all(self.lookup.found):  # every row has a continuation (a batch drafts one way)
+        if all(found):  # every row has a continuation (a batch drafts one way)
             self.lookup_rounds += 1
             self.base.propose(last_tokens, 1, sampling, generator)  # absorbs; its draft dropped
-            return found
+            return self.lookup.drafts(found, sampling)  # [B, k'], one-hot q only when used
         return self.base.propose(last_tokens, k, sampling, generator)
 
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:

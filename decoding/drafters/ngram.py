@@ -49,16 +49,14 @@ class NgramDrafter:
                 return best
         return []
 
-    def propose(
-        self,
-        last_tokens: Tensor,
-        k: int,
-        sampling: Sampling,
-        generator: torch.Generator | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
+    def continuations(self, last_tokens: Tensor, k: int) -> list[list[int]]:
+        """Per row, what followed the newest earlier match of its last tokens (up to k; [] =
+        no match). Records `last_tokens` for `commit`."""
         self.last = last_tokens.tolist()
-        found = [self._lookup(h + [t], k) for h, t in zip(self.history, self.last)]
-        self.found = found  # per row: the continuation found ([] = none), before padding
+        return [self._lookup(h + [t], k) for h, t in zip(self.history, self.last)]
+
+    def drafts(self, found: list[list[int]], sampling: Sampling) -> tuple[Tensor, Tensor | None]:
+        """`continuations` as drafts [B, k'] and their one-hot q [B, k', V] (None if greedy)."""
         width = max(len(f) for f in found)
         # Rows with shorter matches repeat their last token: harmless, verification judges it.
         rows = [f + [f[-1] if f else t] * (width - len(f)) for f, t in zip(found, self.last)]
@@ -67,6 +65,15 @@ class NgramDrafter:
             return drafts, None
         q = torch.nn.functional.one_hot(drafts, self.num_logits).float()  # [B, k', V]
         return drafts, q
+
+    def propose(
+        self,
+        last_tokens: Tensor,
+        k: int,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        return self.drafts(self.continuations(last_tokens, k), sampling)
 
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
         kept = emitted[:, :-1].tolist()  # accepted drafts; emitted[:, -1] is the next `last`
