@@ -338,8 +338,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     t0 = time.perf_counter()
     result, _ = evaluate_checkpoint(target, draft, eval_prompts, cfg, None)  # no training record
-    meta = ckpt / "meta.json" if ckpt else None  # the step, as the run's eval records carry it
-    result["step"] = json.loads(meta.read_text())["step"] if meta and meta.is_file() else None
+    meta = ckpt / "meta.json" if ckpt else None  # step and train_s, as a run's eval records
+    meta = json.loads(meta.read_text()) if meta and meta.is_file() else {}
+    result["step"], result["train_s"] = meta.get("step"), meta.get("train_s")
     result["eval_s"] = round(time.perf_counter() - t0, 1)  # as a run's eval records have it
     progress(f"done in {result['eval_s']:.1f}s")
     print(format_eval_table([result]))

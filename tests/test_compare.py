@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from scipy import stats as scipy_stats
 
 from tests.helpers import metrics_records
-from train.report.plots import plot_acceptance_vs_entropy
+from train.report.plots import plot_acceptance_vs_entropy, plot_learning_curve
 from train.report.runs import (
     bucket_labels,
     find_runs,
@@ -161,7 +161,7 @@ def test_compare_table_matches_run_summaries(sweep, tmp_path):
             assert entropy[f"α, H ∈ {label}"] == want
 
     plots = ("tau_vs_step.png", "acceptance_per_position.png", "proxy_vs_measured.png")
-    for name in (*plots, "acceptance_vs_entropy.png"):
+    for name in (*plots, "acceptance_vs_entropy.png", "learning_curve.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000, name
 
@@ -367,3 +367,30 @@ def test_notebook_is_stripped_and_runs_on_the_sweep(sweep, monkeypatch):
     assert len(tables) == 2 and sorted(_table_rows(tables[0])) == ["ce", "tv"]
     assert "slope (per nat)" in tables[1] and "entropy in nats" in tables[1]  # vs entropy
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4
+
+
+def test_learning_curve_plots_each_eval_at_its_training_seconds(tmp_path):
+    """A line per temperature at the eval records' train_s: tau left; speedup right against
+    the eager AR, and the compiled AR where the evaluation decoded compiled; records from
+    before train_s was recorded are left out."""
+    d = _fake_run(tmp_path, "kl", 0, 2.0, 10.0, [0.9])
+    evals = [{"step": 5, "greedy/tau": 9.9}]  # no train_s: left out
+    for step, secs, tau in ((10, 100.0, 1.5), (20, 210.0, 1.8)):
+        evals.append({"step": step, "train_s": secs, "greedy/tau": tau, "T1.0/tau": tau - 0.3,
+                      "greedy/speedup": 1.1, "greedy/speedup_eager_ar": tau,
+                      "greedy/speedup_compiled_ar": tau / 2, "T1.0/speedup": 0.9})  # fmt: skip
+    (d / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "eval", **e}) + "\n" for e in evals)
+    )
+    fig = plot_learning_curve(group_runs(find_runs([tmp_path])))
+    ax_tau, ax_speed = fig.axes
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax_tau.lines}
+    assert lines == {
+        "all runs greedy": ([100.0, 210.0], [1.5, 1.8]),
+        "all runs T1.0": ([100.0, 210.0], [1.2, 1.5]),
+    }
+    speed = {
+        ln.get_label(): list(ln.get_ydata()) for ln in ax_speed.lines if ln.get_label()[0] != "_"
+    }
+    assert speed == {"all runs greedy vs eager AR": [1.5, 1.8], "all runs greedy vs compiled AR": [0.75, 0.9],
+                     "all runs T1.0 vs eager AR": [0.9, 0.9]}  # fmt: skip

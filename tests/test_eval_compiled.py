@@ -14,6 +14,7 @@ import torch
 import decoding.metrics
 import models.dtype_choice
 import train.eval_compiled
+import train.evaluate
 from decoding.compiled import CompiledTarget, counts_recordings
 from models import draft_lm
 from models.target import Target
@@ -136,3 +137,43 @@ def test_compile_auto_takes_the_faster_path_and_remembers_it(target, monkeypatch
         "compiled",
         "eager",
     ]
+
+
+@pytest.mark.parametrize(
+    "path, want", [("auto", "float32"), ("only", "float32"), (False, "bfloat16")]
+)
+def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_path, path, want):
+    """decode.dtype=auto with the compiled path: the dtype whose verify runs fastest on that
+    path (compiled; with auto the faster of eager and compiled), not by eager timings alone.
+    Here bf16 wins eagerly and float32 compiled (as on a CPU with AVX2 only): a compiled
+    decode takes float32, an eager one bf16. The AR dtype stays the fastest eager one."""
+    eager = {torch.float32: 0.30, torch.bfloat16: 0.20}
+    compiled = {torch.float32: 0.10, torch.bfloat16: 0.15}
+    asked = []
+
+    def fake_compiled(target_, dtype, width, cached, hidden_layers, mode):
+        assert target_ is target and mode == "aot_eager"
+        asked.append((dtype, width, hidden_layers))
+        return compiled[dtype]
+
+    monkeypatch.setattr(train.evaluate, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
+    monkeypatch.setattr(train.evaluate, "compiled_forward_seconds", fake_compiled)
+    dec = eval_cfg(compile=path, dtype="auto").decode
+    copies = train.evaluate.decode_copies(target, dec, None, eval_prompts(), str(tmp_path), (1, 2))
+    assert copies.dtypes["decode"]["dtype"] == want
+    assert copies.dtypes["ar"]["dtype"] == "bfloat16"
+    width = int(dec.k) + 1
+    assert asked == (
+        [] if path is False else [(torch.float32, width, (1, 2)), (torch.bfloat16, width, (1, 2))]
+    )
+
+
+def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(target):
+    before = {n: p.clone() for n, p in target.model.state_dict().items()}
+    seconds = train.eval_compiled.compiled_forward_seconds(
+        target, torch.bfloat16, 4, 8, (1,), "aot_eager"
+    )
+    assert 0 < seconds < 10
+    after = target.model.state_dict()
+    assert target.dtype == torch.float32
+    assert all(torch.equal(before[n], after[n]) for n in before)

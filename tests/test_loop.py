@@ -220,6 +220,11 @@ def test_time_budget_stops_with_checkpoint_and_eval(tmp_path):
     ]
     _, _, state = load_checkpoint(tmp_path / "short" / "checkpoints" / "step_00000001")
     assert state["train_s"] == pytest.approx(summary["train_s"], abs=0.01)
+    # The training seconds behind the evaluation, for learning curves (and scripts/evaluate.py)
+    meta = json.loads(
+        (tmp_path / "short" / "checkpoints" / "step_00000001" / "meta.json").read_text()
+    )
+    assert summary["final_eval"]["train_s"] == meta["train_s"] == round(state["train_s"], 2)
 
     # Resuming a run whose budget is spent trains no further and keeps its records.
     again = run(

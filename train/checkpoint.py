@@ -9,7 +9,7 @@ Layout of `<run_dir>/checkpoints/step_00000100/`:
                         identity (train/identity.py), compared on resume, init_from, evaluate
     trainer_state.pt    step, rows consumed, optimizer, LR scheduler and the settings of its
                         schedule, RNG states of every rank
-    meta.json           step, loss, wall time (for humans and notebooks)
+    meta.json           step, loss, training seconds (for humans, notebooks, curves)
 
 A checkpoint is written into `.tmp-step_*`, every file fsync'ed, then the directory is
 renamed into place and the parent fsync'ed: a crash mid-write leaves only a `.tmp-*`

@@ -5,6 +5,7 @@ compiled one."""
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from decoding.drafters.lookup import with_lookup
 from decoding.rounds import sync
 from decoding.tree import TreeSpec
 from models.dtype_choice import DtypeChoice, choose_measured
+from models.dtypes import cast_keep_rotary
 from models.target import Target
 
 
@@ -101,6 +103,22 @@ def compile_choice(
     if choice.dtype == "eager":  # no graphs kept for a path that is not used
         copies.compiled = copies.draft = copies.drafter = None
     return choice
+
+
+def compiled_forward_seconds(
+    target: Target, dtype: torch.dtype, width: int, cached: int, hidden_layers: tuple[int, ...],
+    mode: str,
+) -> float:  # fmt: skip
+    """Seconds of one forward of `width` tokens over `cached` through a throwaway compiled
+    copy of `target` in `dtype` (float32 rotary; the target is untouched): how `decode.dtype
+    =auto` times a dtype for a decode that runs compiled. The eager timing does not predict it:
+    on a CPU with AVX2 only bf16 won eagerly while compiled float32 ran 1.6x compiled bf16
+    (docs/portable.md)."""
+    copy_ = Target(cast_keep_rotary(copy.deepcopy(target.model), dtype), target.tokenizer,
+                   name=target.name)  # fmt: skip
+    compiled = CompiledTarget(copy_, cached + width, (width,), hidden_layers, mode=mode)
+    compiled.warmup()
+    return forward_seconds(compiled, width, cached, hidden_layers)
 
 
 @torch.inference_mode()

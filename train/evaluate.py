@@ -59,6 +59,7 @@ from train.eval_compiled import (
     compile_choice,
     compiled_against_both,
     compiled_decoding,
+    compiled_forward_seconds,
 )
 from train.ranks import Ranks
 from train.step_stats import decode_samplings
@@ -82,7 +83,7 @@ def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
 
 def decode_copies(
     target: Target, dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict],
-    cache_dir: str | None,
+    cache_dir: str | None, hidden_layers: tuple[int, ...] = (),
 ) -> DecodeCopies:  # fmt: skip
     """The frozen target in decode.dtype ("auto": the faster dtype for decoding on this
     machine), and in the dtype of the machine's fastest AR when that is another, for the
@@ -90,20 +91,32 @@ def decode_copies(
     a decode costs per token: one forward of its width (a verify of k + 1 tokens or tree
     size + 1; an AR step) over a typical cache, plus the prompt's prefill spread over
     max_new_tokens, since a dtype that is fast for one row can be slow for many (a CPU
-    without native bf16: docs/portable.md)."""
+    without native bf16: docs/portable.md). With decode.compile=only on a CPU the verify is
+    timed compiled (with the drafter's taps, `hidden_layers`), with auto the faster of eager
+    and compiled: the path the decode will take decides its dtype."""
     lengths = sorted(len(p["input_ids"]) for p in eval_prompts) or [64]
     prompt = max(32, 32 * round(lengths[len(lengths) // 2] / 32))
     cached = max(32, 32 * round((prompt + dec.max_new_tokens / 2) / 32))
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
     per = int(dec.max_new_tokens)
+    path = str(dec.get("compile", False)) if target.device.type == "cpu" else "False"
+    mode = str(dec.get("compile_mode", "auto"))
     choices: dict[str, DtypeChoice] = {}
     for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
         shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached,
                   "prefill": prompt, "per": per}  # fmt: skip
+        timed_compiled = use == "decode" and path in ("auto", "only")
+        if timed_compiled:  # a verdict timed eagerly is not this one
+            shapes |= {"path": path, "mode": mode, "taps": list(hidden_layers)}
 
-        def measure(dtype, new=new):
+        def measure(dtype, new=new, timed_compiled=timed_compiled):
             prefill = time_forward(target, dtype, 1, prompt, 1)
-            return time_forward(target, dtype, 1, new, cached) + prefill / per
+            if not timed_compiled:
+                return time_forward(target, dtype, 1, new, cached) + prefill / per
+            step = compiled_forward_seconds(target, dtype, new, cached, hidden_layers, mode)
+            if path == "auto":  # the decode will take the faster path
+                step = min(step, time_forward(target, dtype, 1, new, cached))
+            return step + prefill / per
 
         choices[use] = choose_dtype(use, setting, shapes, measure, target.device, cache_dir)
         if choices[use].source != "explicit":
@@ -183,7 +196,10 @@ def evaluate_checkpoint(
     if target_eval is None:  # rank 0 chooses the dtypes, every rank decodes in them
         if ranks.main:
             cache_dir = (cfg.get("data") or {}).get("cache_dir")
-            target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir)
+            taps = ()  # the drafter's, where decode_copies times a compiled verify
+            if dec.get("dtype") == "auto" and str(dec.get("compile", False)) in ("auto", "only"):
+                taps = make_drafter(draft_decode_copy(draft, target.dtype), target).hidden_layers
+            target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir, taps)
             prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
             choice = draft_dtype_choice(draft, target_eval.target, dec, tree, prompt, cache_dir)
             if choice.source != "explicit":

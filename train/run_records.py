@@ -67,7 +67,7 @@ def checkpoint_and_evaluate(
                               replay_all, train_s, records.schedule, strategy.kind)  # fmt: skip
         records.last_checkpoint = str(save_checkpoint(
             cfg.run_dir, step, draft_state, OmegaConf.to_yaml(cfg.draft, resolve=True), state,
-            tc.keep_last, meta={"loss": loss, "name": str(cfg.name)},
+            tc.keep_last, meta={"loss": loss, "name": str(cfg.name), "train_s": round(train_s, 2)},
             config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
         ))  # fmt: skip
     every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
@@ -81,6 +81,7 @@ def checkpoint_and_evaluate(
             )  # fmt: skip
         set_rng_state(rng)
         result["step"] = step
+        result["train_s"] = round(train_s, 2)  # training seconds behind it: learning curves
         result["eval_s"] = round(time.perf_counter() - started, 1)  # probes, copies, decoding
         records.evals.append(result)
         log.write({"kind": "eval", **result})  # the main rank's

@@ -1,6 +1,7 @@
 """The comparison plots of grouped runs (train/report/runs.py), one figure per function:
 tau at each checkpoint, per-position acceptance of the final evaluation, the training
-proxy's predicted tau against the measured one, and acceptance against the target's entropy.
+proxy's predicted tau against the measured one, acceptance against the target's entropy, and
+the learning curve (tau and speedup against training seconds).
 scripts/compare.py saves them as PNGs (`PLOTS`: file name -> function); the notebook shows
 them inline."""
 
@@ -179,9 +180,47 @@ def plot_acceptance_vs_entropy(groups: list[Group]):
     return fig
 
 
+def plot_learning_curve(groups: list[Group]):
+    """The learning curve: tau (left) and speedup (right) of every checkpoint evaluation
+    against the training seconds behind it (eval records' `train_s`; older records without it
+    are left out), a line per run and temperature (greedy solid, T > 0 dashed). Speedup is
+    against the eager AR, and against the compiled AR (dotted) where the evaluation decoded
+    through the compiled path."""
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11.0, 4.4))
+    labels, title = _labels(groups)
+    for i, (g, label) in enumerate(zip(groups, labels)):
+        for n, run in enumerate(g.runs):  # the legend names a group's first run only
+            name = label if n == 0 else "_"
+            evals = [e for e in run.evals if e.get("train_s") is not None]
+            for tag in dict.fromkeys(t for e in evals for t in eval_tags(e)):
+                pts = [e for e in evals if e.get(f"{tag}/tau") is not None]
+                secs = [e["train_s"] for e in pts]
+                style = {"color": f"C{i % 10}", "marker": "o" if tag == "greedy" else "s"}
+                style["ls"] = "-" if tag == "greedy" else "--"
+                ax_tau.plot(secs, [e[f"{tag}/tau"] for e in pts], **style, label=f"{name} {tag}")
+                eager = [e.get(f"{tag}/speedup_eager_ar", e.get(f"{tag}/speedup")) for e in pts]
+                ax_speed.plot(secs, eager, **style, label=f"{name} {tag} vs eager AR")
+                compiled = [e.get(f"{tag}/speedup_compiled_ar") for e in pts]
+                if any(c is not None for c in compiled):
+                    style |= {"ls": ":", "marker": "x"}
+                    ax_speed.plot(secs, compiled, **style, label=f"{name} {tag} vs compiled AR")
+    ax_speed.axhline(1.0, color="0.5", lw=1)
+    for ax in (ax_tau, ax_speed):
+        ax.grid(alpha=0.3)
+        ax.legend(title=title, fontsize=7)
+        ax.set_xlim(left=0)
+    ax_tau.set(xlabel="training seconds", ylabel="τ (tokens / verify forward)", title="τ")
+    ax_speed.set(xlabel="training seconds", ylabel="speedup (AR time / spec time)",
+                 title="speedup")  # fmt: skip
+    fig.suptitle("Learning curve: held-out decode at each evaluated checkpoint")
+    fig.tight_layout()
+    return fig
+
+
 PLOTS = {
     "tau_vs_step.png": plot_tau_vs_step,
     "acceptance_per_position.png": plot_acceptance_per_position,
     "proxy_vs_measured.png": plot_proxy_vs_measured,
     "acceptance_vs_entropy.png": plot_acceptance_vs_entropy,
+    "learning_curve.png": plot_learning_curve,
 }
