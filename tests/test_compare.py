@@ -382,7 +382,17 @@ def test_learning_curve_plots_each_eval_at_its_training_seconds(tmp_path):
     (d / "metrics.jsonl").write_text(
         "".join(json.dumps({"kind": "eval", **e}) + "\n" for e in evals)
     )
-    fig = plot_learning_curve(group_runs(find_runs([tmp_path])))
+    older = _fake_run(tmp_path / "older", "kl", 0, 2.0, 10.0, [0.9])  # records without train_s
+    empty = plot_learning_curve(group_runs(find_runs([older])))
+    assert [t.get_text() for t in empty.axes[0].texts] == ["no eval record has train_s"]
+    summary = json.loads((older / "summary.json").read_text())  # its last step, 10: the final eval
+    (older / "summary.json").write_text(json.dumps({**summary, "train_s": 55.0}))
+    final = plot_learning_curve(group_runs(find_runs([older]))).axes[0].lines
+    assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in final] == [
+        ([55.0], [2.0]),
+        ([55.0], [1.8]),
+    ]
+    fig = plot_learning_curve(group_runs(find_runs([d])))
     ax_tau, ax_speed = fig.axes
     lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax_tau.lines}
     assert lines == {

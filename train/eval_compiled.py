@@ -112,8 +112,8 @@ def compiled_forward_seconds(
     """Seconds of one forward of `width` tokens over `cached` through a throwaway compiled
     copy of `target` in `dtype` (float32 rotary; the target is untouched): how `decode.dtype
     =auto` times a dtype for a decode that runs compiled. The eager timing does not predict it:
-    on a CPU with AVX2 only bf16 won eagerly while compiled float32 ran 1.6x compiled bf16
-    (docs/portable.md)."""
+    on a CPU with AVX2 only the eager verify was faster in bf16 while the compiled float32 AR
+    step ran about 1.6x the compiled bf16 one (two evaluations, docs/portable.md)."""
     copy_ = Target(cast_keep_rotary(copy.deepcopy(target.model), dtype), target.tokenizer,
                    name=target.name)  # fmt: skip
     compiled = CompiledTarget(copy_, cached + width, (width,), hidden_layers, mode=mode)

@@ -193,11 +193,14 @@ def evaluate_checkpoint(
         raise ValueError(
             "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
         )
+    # What compiling costs this checkpoint, decode_copies' timing of a compiled verify included
+    graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
     if target_eval is None:  # rank 0 chooses the dtypes, every rank decodes in them
         if ranks.main:
             cache_dir = (cfg.get("data") or {}).get("cache_dir")
             taps = ()  # the drafter's, where decode_copies times a compiled verify
-            if dec.get("dtype") == "auto" and str(dec.get("compile", False)) in ("auto", "only"):
+            compiled_verify = str(dec.get("compile", False)) in ("auto", "only")
+            if dec.get("dtype") == "auto" and compiled_verify and target.device.type == "cpu":
                 taps = make_drafter(draft_decode_copy(draft, target.dtype), target).hidden_layers
             target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir, taps)
             prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
@@ -223,7 +226,6 @@ def evaluate_checkpoint(
     max_new_tokens = int(dec.get("max_new_tokens", 64))
     compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
     setting = dec.get("compile", False)
-    graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
     max_len = max(p.shape[1] for p in prompts) + max_new_tokens
     if setting == "auto":  # measured at a run's first evaluation by rank 0, then kept
         if "compile" not in target_eval.dtypes:

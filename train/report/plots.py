@@ -1,9 +1,9 @@
 """The comparison plots of grouped runs (train/report/runs.py), one figure per function:
 tau at each checkpoint, per-position acceptance of the final evaluation, the training
 proxy's predicted tau against the measured one, acceptance against the target's entropy, and
-the learning curve (tau and speedup against training seconds).
+the learning curve (tau and speedup against training seconds; compare.py only).
 scripts/compare.py saves them as PNGs (`PLOTS`: file name -> function); the notebook shows
-them inline."""
+the first four inline."""
 
 from __future__ import annotations
 
@@ -182,16 +182,20 @@ def plot_acceptance_vs_entropy(groups: list[Group]):
 
 def plot_learning_curve(groups: list[Group]):
     """The learning curve: tau (left) and speedup (right) of every checkpoint evaluation
-    against the training seconds behind it (eval records' `train_s`; older records without it
-    are left out), a line per run and temperature (greedy solid, T > 0 dashed). Speedup is
-    against the eager AR, and against the compiled AR (dotted) where the evaluation decoded
-    through the compiled path."""
+    against the training seconds behind it (eval records' `train_s`; an older run's final
+    evaluation takes the summary's, its other evaluations are left out), a line per run and temperature (greedy solid, T > 0 dashed). Speedup is
+    against the eager AR, and against the compiled AR (dotted) where the compiled path was the
+    evaluation (decode.compile=only, or auto choosing it)."""
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11.0, 4.4))
     labels, title = _labels(groups)
     for i, (g, label) in enumerate(zip(groups, labels)):
-        for n, run in enumerate(g.runs):  # the legend names a group's first run only
-            name = label if n == 0 else "_"
-            evals = [e for e in run.evals if e.get("train_s") is not None]
+        named = False  # the legend names a group's first run with points only
+        for run in g.runs:
+            evals = [e if "train_s" in e or e.get("step") != run.summary.get("steps")
+                     else {**e, "train_s": run.summary.get("train_s")}  # the run's final eval
+                     for e in run.evals]  # fmt: skip
+            evals = [e for e in evals if e.get("train_s") is not None]
+            name, named = (label if evals and not named else "_"), named or bool(evals)
             for tag in dict.fromkeys(t for e in evals for t in eval_tags(e)):
                 pts = [e for e in evals if e.get(f"{tag}/tau") is not None]
                 secs = [e["train_s"] for e in pts]
@@ -207,7 +211,10 @@ def plot_learning_curve(groups: list[Group]):
     ax_speed.axhline(1.0, color="0.5", lw=1)
     for ax in (ax_tau, ax_speed):
         ax.grid(alpha=0.3)
-        ax.legend(title=title, fontsize=7)
+        if len(ax.get_legend_handles_labels()[0]):
+            ax.legend(title=title, fontsize=7)
+        else:  # runs evaluated before eval records carried train_s
+            ax.text(0.5, 0.5, "no eval record has train_s", ha="center", transform=ax.transAxes)
         ax.set_xlim(left=0)
     ax_tau.set(xlabel="training seconds", ylabel="τ (tokens / verify forward)", title="τ")
     ax_speed.set(xlabel="training seconds", ylabel="speedup (AR time / spec time)",
