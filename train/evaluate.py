@@ -81,6 +81,14 @@ def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
     return cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
 
 
+def compiled_verify_timed(dec: DictConfig, device: torch.device) -> str | None:
+    """ "auto" | "only" where decode.dtype=auto times the verify on the compiled path (a CPU
+    decoding with decode.compile=auto | only; decode_copies), else None."""
+    path = str(dec.get("compile", False))
+    timed = dec.get("dtype") == "auto" and device.type == "cpu" and path in ("auto", "only")
+    return path if timed else None
+
+
 def decode_copies(
     target: Target, dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict],
     cache_dir: str | None, hidden_layers: tuple[int, ...] = (),
@@ -99,13 +107,13 @@ def decode_copies(
     cached = max(32, 32 * round((prompt + dec.max_new_tokens / 2) / 32))
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
     per = int(dec.max_new_tokens)
-    path = str(dec.get("compile", False)) if target.device.type == "cpu" else "False"
+    path = compiled_verify_timed(dec, target.device)
     mode = str(dec.get("compile_mode", "auto"))
     choices: dict[str, DtypeChoice] = {}
     for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
         shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached,
                   "prefill": prompt, "per": per}  # fmt: skip
-        timed_compiled = use == "decode" and path in ("auto", "only")
+        timed_compiled = use == "decode" and path is not None
         if timed_compiled:  # a verdict timed eagerly is not this one
             shapes |= {"path": path, "mode": mode, "taps": list(hidden_layers)}
 
@@ -199,8 +207,7 @@ def evaluate_checkpoint(
         if ranks.main:
             cache_dir = (cfg.get("data") or {}).get("cache_dir")
             taps = ()  # the drafter's, where decode_copies times a compiled verify
-            compiled_verify = str(dec.get("compile", False)) in ("auto", "only")
-            if dec.get("dtype") == "auto" and compiled_verify and target.device.type == "cpu":
+            if compiled_verify_timed(dec, target.device):
                 taps = make_drafter(draft_decode_copy(draft, target.dtype), target).hidden_layers
             target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir, taps)
             prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
