@@ -396,8 +396,8 @@ def test_learning_curve_plots_each_eval_at_its_training_seconds(tmp_path):
     ax_tau, ax_speed = fig.axes
     lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax_tau.lines}
     assert lines == {
-        "all runs greedy": ([100.0, 210.0], [1.5, 1.8]),
-        "all runs T1.0": ([100.0, 210.0], [1.2, 1.5]),
+        "all runs greedy decoded": ([100.0, 210.0], [1.5, 1.8]),
+        "all runs T1.0 decoded": ([100.0, 210.0], [1.2, 1.5]),
     }
     speed = {
         ln.get_label(): list(ln.get_ydata()) for ln in ax_speed.lines if ln.get_label()[0] != "_"

@@ -56,9 +56,9 @@ FREE_ON_INIT = (
 RESUME_FREE = (
     "name", "run_dir", "resume", "overwrite", "device", "logger", "decode", "target", "draft",
     "train.log_every", "train.ckpt_every", "train.keep_last", "train.eval_at_ckpt",
-    "train.eval_every", "train.feature_cache", "data.progress", "data.cache_dir",
-    "data.regen_batch_size", "train.dist_timeout_s", "data.regen_url", "data.regen_concurrency",
-    "data.regen_retries", "data.regen_timeout",
+    "train.eval_every", "train.feature_cache", "train.heldout_proxy", "data.progress",
+    "data.cache_dir", "data.regen_batch_size", "train.dist_timeout_s", "data.regen_url",
+    "data.regen_concurrency", "data.regen_retries", "data.regen_timeout",
 )  # fmt: skip
 # What a resumed run continues from the saved state when changed: the data from the rows
 # consumed, the LR schedule the run started with.

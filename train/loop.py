@@ -42,6 +42,7 @@ from train.run_records import RunRecords, checkpoint_and_evaluate, write_summary
 from train.run_setup import (
     build_draft,
     feature_cache,
+    heldout_proxy,
     instantiate,
     make_accelerator,
     make_replay,
@@ -140,6 +141,7 @@ def train_run(cfg: DictConfig) -> dict:
         setup = replace(setup, autocast=dtypes["train_draft"].dtype == "bfloat16")
     if strategy.kind == "fsdp" and accelerator.mixed_precision == "bf16":
         setup = replace(setup, autocast=True)  # accelerate's autocast comes with prepare only
+    heldout = heldout_proxy(cfg, target, prepared, setup)  # None unless train.heldout_proxy
     if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError("the draft has no trainable parameters; check draft.model settings")
     draft = shard(strategy, draft, accelerator.device)  # FSDP: before the optimizer sees it
@@ -216,6 +218,7 @@ def train_run(cfg: DictConfig) -> dict:
         last = done == tc.steps or out_of_time
         if done % tc.log_every == 0 or last:
             record = window.flush(done, scheduler.get_last_lr()[0], int(cfg.decode.k), offsets)
+            record["train_s"] = round(clock["train_s"], 2)  # learning curves in seconds
             if replay is not None:
                 record.update(replay.flush())
             bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{record['alpha'][0]:.3f}")
@@ -224,7 +227,7 @@ def train_run(cfg: DictConfig) -> dict:
         if done % tc.ckpt_every == 0 or last:
             checkpoint_and_evaluate(cfg, accelerator, strategy, draft, core, optimizer, scheduler,
                                     replay, target, prepared, records, log, done, last,
-                                    clock["train_s"], result.loss)  # fmt: skip
+                                    clock["train_s"], result.loss, heldout)  # fmt: skip
         if out_of_time:
             break
     bar.close()

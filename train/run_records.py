@@ -1,6 +1,6 @@
 """What the training loop (train/loop.py) records of a run: `RunRecords`, what it knows so
 far; `checkpoint_and_evaluate`, a checkpoint (train/checkpoint.py) with its evaluation
-(train/evaluate.py); `write_summary`, summary.json at the end."""
+(train/evaluate.py); `write_summary`, summary.json and learning_curve.png at the end."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from train.checkpoint import rng_state, save_checkpoint, set_rng_state, trainer_
 from train.data.prepare import PreparedData
 from train.eval_compiled import DecodeCopies
 from train.evaluate import evaluate_checkpoint, format_eval_table
+from train.heldout import PREFIX, HeldOut
 from train.ranks import Ranks
 from train.replay import Replay
 from train.report.tracking import RunLog
@@ -32,6 +33,7 @@ class RunRecords:
     (train/report/tracking.py: RunLog.earlier), so its summary covers the whole run."""
 
     last_train: dict | None = None  # the newest train record: alpha per offset, simulated tau
+    last_heldout: dict | None = None  # the newest held-out proxy record (train/heldout.py)
     evals: list[dict] = field(default_factory=list)  # eval records, oldest first
     last_checkpoint: str | None = None
     decode_copies: DecodeCopies | None = None  # built at the first evaluation, then reused
@@ -42,21 +44,25 @@ class RunRecords:
     @classmethod
     def resumed(cls, earlier: list[dict], checkpoint: Path | None, **facts) -> RunRecords:
         trained = [r for r in earlier if r["kind"] == "train"]
+        heldout = [r for r in earlier if r["kind"] == "heldout"]
         evals = [
             {k: v for k, v in r.items() if k != "kind"} for r in earlier if r["kind"] == "eval"
         ]
         last_ckpt = str(checkpoint) if checkpoint else None
-        return cls(trained[-1] if trained else None, evals, last_ckpt, **facts)
+        return cls(trained[-1] if trained else None, heldout[-1] if heldout else None, evals,
+                   last_ckpt, **facts)  # fmt: skip
 
 
 def checkpoint_and_evaluate(
     cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, draft, core: DraftModel,
     optimizer, scheduler, replay: Replay | None, target: Target, prepared: PreparedData,
     records: RunRecords, log: RunLog, step: int, last: bool, train_s: float, loss: float,
+    heldout: HeldOut | None = None,
 ) -> None:  # fmt: skip
-    """Checkpoint `step` (every rank takes part in the gathers; the main rank writes) and,
-    when due, evaluate it with the shared decoder (every rank decodes its share of the
-    prompts, train/evaluate.py; the main rank records) with the full draft, never the
+    """Checkpoint `step` (every rank takes part in the gathers; the main rank writes), its
+    held-out proxy (train.heldout_proxy: the main rank, seconds) and, when due, its
+    evaluation with the shared decoder (every rank decodes its share of the prompts,
+    train/evaluate.py; the main rank records), both with the full draft, never the
     FSDP-sharded module (train/strategy.py)."""
     tc, world = cfg.train, accelerator.num_processes
     draft_state, optim_state = full_state(strategy, accelerator, draft, optimizer)  # gathers
@@ -70,6 +76,13 @@ def checkpoint_and_evaluate(
             tc.keep_last, meta={"loss": loss, "name": str(cfg.name), "train_s": round(train_s, 2)},
             config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
         ))  # fmt: skip
+    if heldout is not None and accelerator.is_main_process:
+        rng = rng_state()  # a draft that samples positions (DFlash) must not shift training's
+        with eval_draft(strategy, core, draft_state, accelerator.device) as full:
+            held = heldout.record(full, target)
+        set_rng_state(rng)
+        records.last_heldout = {"step": step, "train_s": round(train_s, 2), **held}
+        log.write({"kind": "heldout", **records.last_heldout})
     every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
     if tc.eval_at_ckpt and (last or not every or step % every == 0):
         rng = rng_state()  # evaluation must not shift the training RNG stream
@@ -82,10 +95,27 @@ def checkpoint_and_evaluate(
         set_rng_state(rng)
         result["step"] = step
         result["train_s"] = round(train_s, 2)  # training seconds behind it: learning curves
+        result |= heldout_proxy_taus(result, records.last_heldout, step)
         result["eval_s"] = round(time.perf_counter() - started, 1)  # probes, copies, decoding
         records.evals.append(result)
         log.write({"kind": "eval", **result})  # the main rank's
     accelerator.wait_for_everyone()
+
+
+def heldout_proxy_taus(result: dict, heldout: dict | None, step: int) -> dict:
+    """`<tag>/heldout_proxy_tau` per decode sampling of an eval record: the held-out proxy's
+    simulated tau at the same checkpoint, beside the training rows' `<tag>/proxy_tau`."""
+    if heldout is None or heldout["step"] != step:
+        return {}
+    out = {}
+    for key in [k for k in result if k.endswith("/tau")]:
+        tag = key.removesuffix("/tau")
+        sim = heldout.get(
+            f"{PREFIX}sim_tau_greedy" if tag == "greedy" else f"{PREFIX}sim_tau_{tag}"
+        )
+        if sim is not None:
+            out[f"{tag}/heldout_proxy_tau"] = sim
+    return out
 
 
 def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRecords) -> dict:
@@ -100,10 +130,15 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
         },
         "last_checkpoint": records.last_checkpoint,
         "final_train": records.last_train,
+        "final_heldout": records.last_heldout,  # null without train.heldout_proxy
         "final_eval": last_eval or None,
         "tau_curve": [[e["step"], e.get("tau")] for e in records.evals],
     }
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    if records.evals or records.last_heldout:  # read back from the files just written
+        from train.report.plots import save_learning_curve  # matplotlib: only at the end
+
+        print(f"learning curve -> {save_learning_curve(run_dir)}", flush=True)
     if records.evals:
         print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
         print(format_eval_table(records.evals), flush=True)

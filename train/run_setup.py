@@ -1,6 +1,6 @@
 """What `run` (train/loop.py) builds before its first step: the accelerator, the target and
 draft from their configs (`instantiate`, `build_draft`), the preflight forward that checks
-the draft against the target, the feature cache and the replay."""
+the draft against the target, the feature cache, the held-out proxy's rows and the replay."""
 
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.protocol import DraftModel
 from models.target import Target
+from train.data.chat import resolve_chat_template
 from train.data.prepare import PreparedData
 from train.feature_cache import FeatureCache, build_feature_cache
 from train.formats.init_from import init_draft_from
+from train.heldout import HeldOut, heldout_rows
 from train.ranks import Ranks, dist_timeout
 from train.replay import Replay
 from train.report.tracking import tracker
 from train.schedule import global_rows
 from train.settings import gpu_index
+from train.step import StepSetup
 
 
 def instantiate(node: DictConfig, **kwargs):
@@ -119,4 +122,27 @@ def make_replay(
         rows, offsets=offsets, pad_token_id=pad_id, seed=cfg.seed,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         loss_temperature=float(cfg.loss.temperature), **args,
+    )  # fmt: skip
+
+
+def heldout_proxy(
+    cfg: DictConfig, target: Target, prepared: PreparedData, setup: StepSetup
+) -> HeldOut | None:
+    """train.heldout_proxy: the eval prompts with the target's greedy answers, as long as the
+    decoder's (train/heldout.py), answered in the training rows' regeneration dtype (float32
+    where they were not regenerated in this process); every rank answers its share."""
+    if not cfg.train.get("heldout_proxy"):
+        return None
+    data = cfg.data
+    regen = prepared.stats.get("regen_dtype") or {}
+    rows = heldout_rows(
+        target, prepared.eval_prompts, int(cfg.decode.get("max_new_tokens", 64)),
+        dtype=regen.get("dtype", "float32"), batch_size=int(data.get("regen_batch_size", 16)),
+        seed=int(data.get("seed", 0)), cache_dir=data.get("cache_dir"),
+        chat_template=resolve_chat_template(target.tokenizer, data.get("chat_template")),
+        progress=bool(data.get("progress", True)), ranks=Ranks.current(),
+    )  # fmt: skip
+    return HeldOut.from_rows(
+        rows, target.tokenizer.pad_token_id, int(cfg.train.batch_size), target.device, setup,
+        int(cfg.decode.k),
     )  # fmt: skip

@@ -288,5 +288,10 @@ def check_settings(cfg: DictConfig) -> None:
         raise ValueError(
             "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
         )
+    if cfg.train.get("heldout_proxy") and not cfg.data.num_eval >= 1:
+        raise ValueError(
+            "train.heldout_proxy=true scores the draft on the eval prompts, but the data has "
+            "none; set data.num_eval > 0, or train.heldout_proxy=false"
+        )
     if cfg.get("replay") is not None and cfg.replay.enabled:
         check_replay(cfg.replay)

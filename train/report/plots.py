@@ -1,22 +1,28 @@
 """The comparison plots of grouped runs (train/report/runs.py), one figure per function:
 tau at each checkpoint, per-position acceptance of the final evaluation, the training
 proxy's predicted tau against the measured one, acceptance against the target's entropy, and
-the learning curve (tau and speedup against training seconds; compare.py only).
+the learning curve (tau and speedup against training seconds; compare.py, and every run
+with an evaluation or held-out proxy records saves its own: train/run_records.py).
 scripts/compare.py saves them as PNGs (`PLOTS`: file name -> function); the notebook shows
 the first four inline."""
 
 from __future__ import annotations
 
+import os
 import statistics
+from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
+from train.heldout import PREFIX
 from train.report.runs import (
     Group,
     bucket_labels,
     common_edges,
     entropy_summary,
     eval_tags,
+    load_run,
     mean_ci,
 )
 
@@ -180,13 +186,24 @@ def plot_acceptance_vs_entropy(groups: list[Group]):
     return fig
 
 
-def plot_learning_curve(groups: list[Group]):
-    """The learning curve: tau (left) and speedup (right) of every checkpoint evaluation
-    against the training seconds behind it (eval records' `train_s`; an older run's final
-    evaluation takes the summary's, its other evaluations are left out), a line per run and temperature (greedy solid, T > 0 dashed). Speedup is
-    against the eager AR, and against the compiled AR (dotted) where the compiled path was the
-    evaluation (decode.compile=only, or auto choosing it)."""
-    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11.0, 4.4))
+def _proxy_tags(records: list[dict], prefix: str) -> list[str]:
+    """The decode samplings a proxy record simulates tau at: `<prefix>sim_tau_greedy` ->
+    "greedy", `<prefix>sim_tau_T1` -> "T1" (not the loss temperature's `sim_tau`)."""
+    head = prefix + "sim_tau_"
+    return list(dict.fromkeys(k[len(head) :] for r in records for k in r if k.startswith(head)))
+
+
+def plot_learning_curve(groups: list[Group]) -> Figure:
+    """The learning curve against training seconds. Left, tau per temperature (greedy solid,
+    T > 0 dashed): decoded on the held-out prompts at every evaluated checkpoint (markers,
+    eval records' `train_s`; an older run's final evaluation takes the summary's), simulated
+    from the held-out proxy at every checkpoint (thin line, `heldout` records:
+    train/heldout.py) and from the training rows the draft is fitting (dotted, `train`
+    records). Right, the decoded speedup against the eager AR, and against the compiled AR
+    (dotted) where the compiled path was the evaluation. A Figure without pyplot: a training
+    run saves it (`save_learning_curve`) without touching pyplot's backend."""
+    fig = Figure(figsize=(11.0, 4.6))
+    ax_tau, ax_speed = fig.subplots(1, 2)
     labels, title = _labels(groups)
     for i, (g, label) in enumerate(zip(groups, labels)):
         named = False  # the legend names a group's first run with points only
@@ -195,13 +212,28 @@ def plot_learning_curve(groups: list[Group]):
                      else {**e, "train_s": run.summary.get("train_s")}  # the run's final eval
                      for e in run.evals]  # fmt: skip
             evals = [e for e in evals if e.get("train_s") is not None]
-            name, named = (label if evals and not named else "_"), named or bool(evals)
-            for tag in dict.fromkeys(t for e in evals for t in eval_tags(e)):
+            held = [r for r in run.records if r.get("kind") == "heldout" and "train_s" in r]
+            trained = [r for r in run.records if r.get("kind") == "train" and "train_s" in r]
+            name, named = (label if evals or held else "_"), named or bool(evals or held)
+            tags = [*(t for e in evals for t in eval_tags(e)), *_proxy_tags(held, PREFIX)]
+            for tag in sorted(dict.fromkeys(tags), key=lambda t: t != "greedy"):
+                style = {"color": f"C{i % 10}", "ls": "-" if tag == "greedy" else "--"}
+                for records, prefix, what, extra in (
+                    (held, PREFIX, "held-out proxy", {"lw": 1.2}),
+                    (trained, "", "training-rows proxy", {"lw": 0.8, "ls": ":", "alpha": 0.6}),
+                ):
+                    pts = [r for r in records if r.get(f"{prefix}sim_tau_{tag}") is not None]
+                    if pts:
+                        ax_tau.plot([r["train_s"] for r in pts],
+                                    [r[f"{prefix}sim_tau_{tag}"] for r in pts],
+                                    **(style | extra), label=f"{name} {tag} {what}")  # fmt: skip
                 pts = [e for e in evals if e.get(f"{tag}/tau") is not None]
+                if not pts:
+                    continue
                 secs = [e["train_s"] for e in pts]
-                style = {"color": f"C{i % 10}", "marker": "o" if tag == "greedy" else "s"}
-                style["ls"] = "-" if tag == "greedy" else "--"
-                ax_tau.plot(secs, [e[f"{tag}/tau"] for e in pts], **style, label=f"{name} {tag}")
+                style |= {"marker": "o" if tag == "greedy" else "s"}
+                ax_tau.plot(secs, [e[f"{tag}/tau"] for e in pts], **style, lw=2.2, ms=7,
+                            label=f"{name} {tag} decoded")  # fmt: skip
                 eager = [e.get(f"{tag}/speedup_eager_ar", e.get(f"{tag}/speedup")) for e in pts]
                 ax_speed.plot(secs, eager, **style, label=f"{name} {tag} vs eager AR")
                 compiled = [e.get(f"{tag}/speedup_compiled_ar") for e in pts]
@@ -216,12 +248,25 @@ def plot_learning_curve(groups: list[Group]):
         else:  # runs evaluated before eval records carried train_s
             ax.text(0.5, 0.5, "no eval record has train_s", ha="center", transform=ax.transAxes)
         ax.set_xlim(left=0)
-    ax_tau.set(xlabel="training seconds", ylabel="τ (tokens / verify forward)", title="τ")
+    ax_tau.set(xlabel="training seconds", ylabel="τ (tokens / verify forward)",
+               title="τ: decoded (markers), simulated (lines)")  # fmt: skip
     ax_speed.set(xlabel="training seconds", ylabel="speedup (AR time / spec time)",
-                 title="speedup")  # fmt: skip
-    fig.suptitle("Learning curve: held-out decode at each evaluated checkpoint")
+                 title="decoded speedup")  # fmt: skip
+    fig.suptitle("Learning curve on the held-out prompts")
     fig.tight_layout()
     return fig
+
+
+def save_learning_curve(run_dir: str | Path) -> Path:
+    """learning_curve.png of one finished run, in its directory (written whole: a temporary
+    file renamed)."""
+    run = load_run(run_dir)
+    fig = plot_learning_curve([Group({"run": str(run.config.get("name", "run"))}, [run])])
+    path = Path(run_dir) / "learning_curve.png"
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    return path
 
 
 PLOTS = {
