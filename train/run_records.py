@@ -22,6 +22,7 @@ from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.heldout import PREFIX, HeldOut
 from train.ranks import Ranks
 from train.replay import Replay
+from train.report.plots import save_learning_curve
 from train.report.tracking import RunLog
 from train.run_files import write_atomic
 from train.strategy import Strategy, eval_draft, full_state
@@ -136,8 +137,6 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
     }
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     if records.evals or records.last_heldout:  # read back from the files just written
-        from train.report.plots import save_learning_curve  # matplotlib: only at the end
-
         print(f"learning curve -> {save_learning_curve(run_dir)}", flush=True)
     if records.evals:
         print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
