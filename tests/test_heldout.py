@@ -29,6 +29,7 @@ def test_record_matches_a_hand_computation_and_leaves_the_draft_as_it_was(tiny, 
     setup = StepSetup(LossSpec.from_settings({"name": "kl"}), [0], [Sampling(1.0), Sampling(0.7)])
     held = HeldOut.from_rows(rows, tiny.tokenizer.pad_token_id, 2, tiny.device, setup, k=3)
     before = {n: p.clone() for n, p in draft.state_dict().items()}
+    built_in_eval = draft.model.model.layers[0].eval()  # e.g. a from_pretrained backbone
     rec = held.record(draft, tiny)
 
     # By hand, row by row with no padding: the target's argmax against the draft's, and
@@ -49,8 +50,8 @@ def test_record_matches_a_hand_computation_and_leaves_the_draft_as_it_was(tiny, 
     assert rec[PREFIX + "sim_tau_greedy"] == pytest.approx(simulated_tau([hits / count], 3))
     assert rec[PREFIX + "positions"] == count
     assert set(rec) >= {PREFIX + "alpha_T0.7", PREFIX + "sim_tau_T0.7"}
-    assert draft.training  # its mode restored, its weights untouched
-    assert all(torch.equal(before[n], p) for n, p in draft.state_dict().items())
+    assert draft.training and not any(m.training for m in built_in_eval.modules())  # each's mode
+    assert all(torch.equal(before[n], p) for n, p in draft.state_dict().items())  # weights
 
 
 def test_a_run_records_it_at_every_checkpoint_and_trains_as_without_it(tmp_path):
@@ -74,6 +75,9 @@ def test_a_run_records_it_at_every_checkpoint_and_trains_as_without_it(tmp_path)
     # The run's own learning curve: the held-out and training-rows proxies at their seconds,
     # the decoded tau at each evaluation's.
     assert (tmp_path / "on" / "learning_curve.png").is_file()
+    twice = plot_learning_curve([Group({}, [load_run(tmp_path / "on")] * 2)])  # a group's legend
+    named = [ln.get_label() for ax in twice.axes for ln in ax.lines if ln.get_label()[0] != "_"]
+    assert len(named) == len(set(named)) == 8  # per tag: 3 on the left, 1 speedup (eager decode)
     fig = plot_learning_curve([Group({}, [load_run(tmp_path / "on")])])
     lines = {
         ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in fig.axes[0].lines
@@ -98,3 +102,21 @@ def test_refused_without_eval_prompts(tmp_path):
         run(compose_debug(tmp_path / "run", "train.heldout_proxy=true", "data.num_eval=0",
                           "train.eval_at_ckpt=false"))  # fmt: skip
     assert not (tmp_path / "run").exists()
+
+
+def test_a_draft_that_samples_its_positions_trains_as_without_it(tmp_path):
+    """Domino (DFlash's block draft) draws its anchors from the RNG in every forward (one
+    per row here, so it does draw), the held-out record's included: the loop restores the
+    RNG after it."""
+    common = [
+        "train.steps=4", "train.ckpt_every=2", "train.eval_at_ckpt=false", "draft=domino",
+        "decode.k=3", "~draft.model.init", "draft.model.block_size=4",
+        "draft.model.num_anchors=1", "draft.model.gru_hidden_size=16",
+        "draft.model.correction_size=16",
+    ]  # fmt: skip
+    run(compose_debug(tmp_path / "off", *common))
+    run(compose_debug(tmp_path / "on", *common, "train.heldout_proxy=true"))
+    off, on = metrics_records(tmp_path / "off"), metrics_records(tmp_path / "on")
+    losses = lambda recs: [(r["step"], r["loss"]) for r in recs if r["kind"] == "train"]  # noqa: E731
+    assert losses(on) == losses(off) and len(losses(on)) == 4
+    assert [r["step"] for r in on if r["kind"] == "heldout"] == [2, 4]

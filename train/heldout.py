@@ -34,10 +34,11 @@ from train.data.chat import shift_mask
 from train.data.prepare import collate
 from train.data.regenerate import regenerate
 from train.ranks import Ranks
+from train.report.runs import HELDOUT_PREFIX
 from train.step import StepSetup, StepStats, offset_losses
 from train.step_stats import StepWindow, sampling_tag
 
-PREFIX = "heldout/"  # the record's keys, apart from those of train records in W&B's log
+PREFIX = HELDOUT_PREFIX  # the record's keys, apart from those of train records in W&B's log
 
 
 def heldout_rows(
@@ -85,8 +86,9 @@ class HeldOut:
     ) -> HeldOut:
         if not rows:
             raise ValueError(
-                "train.heldout_proxy=true but no eval prompt got an answer from the target; "
-                "set data.num_eval > 0, or train.heldout_proxy=false"
+                "train.heldout_proxy=true but the target's answer to every eval prompt was "
+                "empty (it stopped at once): raise decode.max_new_tokens or set "
+                "train.heldout_proxy=false"
             )
         chunks = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
         batches = [{n: v.to(device) for n, v in collate(c, pad_id).items()} for c in chunks]
@@ -106,8 +108,9 @@ class HeldOut:
         """The proxy on the held-out rows: `heldout/`-prefixed keys of a train record (α, top-1
         and loss per offset, sim_tau, sim_tau_greedy, per T > 0 decode sampling alpha_<tag>
         and sim_tau_<tag>) plus `heldout/positions` and `heldout/seconds`. `draft` is the
-        whole (unsharded) draft; its training mode is restored."""
-        started, was_training, setup = time.perf_counter(), draft.training, self.setup
+        whole (unsharded) draft; each module's training mode is restored."""
+        started, setup = time.perf_counter(), self.setup
+        modes = {m: m.training for m in draft.modules()}  # some are built in eval mode
         layers = tuple(draft.hidden_layers)
         if not self.outputs or not set(layers) <= set(self.outputs[0].hidden):
             self.outputs = []
@@ -132,9 +135,11 @@ class HeldOut:
                         out, logits, b, counts.clamp_min(1.0).to(logits.device), setup, stats
                     )
                 stats.tokens += b["attention_mask"].sum()
-                window.add(stats, counts.clamp_min(1.0), 0.0, 0.0, 0.0, 1.0)
+                window.add(stats, counts, 0.0, 0.0, 0.0, 1.0)
         finally:
-            draft.train(was_training)
+            for module, training in modes.items():
+                module.training = training
+        window.counts.clamp_(min=1.0)  # an offset past every answer: 0, not 0 / 0
         rec = window.flush(0, 0.0, self.k, list(setup.offsets))
         keep = ("loss_per_offset", "alpha", "top1", "sim_tau", "sim_tau_greedy", "oov_share")
         keep += tuple(f"{kind}_{tag}" for tag in tags for kind in ("alpha", "sim_tau"))

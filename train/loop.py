@@ -121,7 +121,7 @@ def train_run(cfg: DictConfig) -> dict:
         check_init_from(cfg.draft, target)
     ranks = Ranks.current()  # regeneration, feature cache, evaluation: each rank its share
     prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True), ranks=ranks)
-    if tc.eval_at_ckpt:  # the evaluation's prompts + new tokens fit the context window
+    if tc.eval_at_ckpt or tc.get("heldout_proxy"):  # eval prompts + new tokens fit the window
         check_decode_context(target, cfg.decode, prepared.eval_prompts)
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
     pad_id = target.tokenizer.pad_token_id

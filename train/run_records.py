@@ -137,7 +137,11 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
     }
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     if records.evals or records.last_heldout:  # read back from the files just written
-        print(f"learning curve -> {save_learning_curve(run_dir)}", flush=True)
+        try:  # a figure that fails must not fail a finished run: its records are written
+            print(f"learning curve -> {save_learning_curve(run_dir)}", flush=True)
+        except Exception as err:  # noqa: BLE001
+            print(f"learning_curve.png not written ({type(err).__name__}: {err}); "
+                  f"scripts/compare.py {run_dir} draws it", flush=True)  # fmt: skip
     if records.evals:
         print(f"\n{cfg.name}: decoder evaluation (k={cfg.decode.k}) -> {run_dir}/summary.json")
         print(format_eval_table(records.evals), flush=True)

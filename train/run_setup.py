@@ -129,16 +129,16 @@ def heldout_proxy(
     cfg: DictConfig, target: Target, prepared: PreparedData, setup: StepSetup
 ) -> HeldOut | None:
     """train.heldout_proxy: the eval prompts with the target's greedy answers, as long as the
-    decoder's (train/heldout.py), answered in the training rows' regeneration dtype (float32
-    where they were not regenerated in this process); every rank answers its share."""
+    decoder's (train/heldout.py), answered by the target as it trains (its dtype now: no
+    copy in another); every rank answers its share."""
     if not cfg.train.get("heldout_proxy"):
         return None
     data = cfg.data
-    regen = prepared.stats.get("regen_dtype") or {}
     rows = heldout_rows(
         target, prepared.eval_prompts, int(cfg.decode.get("max_new_tokens", 64)),
-        dtype=regen.get("dtype", "float32"), batch_size=int(data.get("regen_batch_size", 16)),
-        seed=int(data.get("seed", 0)), cache_dir=data.get("cache_dir"),
+        dtype=str(target.dtype).removeprefix("torch."),
+        batch_size=int(data.get("regen_batch_size", 16)), seed=int(data.get("seed", 0)),
+        cache_dir=data.get("cache_dir"),
         chat_template=resolve_chat_template(target.tokenizer, data.get("chat_template")),
         progress=bool(data.get("progress", True)), ranks=Ranks.current(),
     )  # fmt: skip

@@ -15,8 +15,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from train.heldout import PREFIX
 from train.report.runs import (
+    HELDOUT_PREFIX,
     Group,
     bucket_labels,
     common_edges,
@@ -200,8 +200,8 @@ def plot_learning_curve(groups: list[Group]) -> Figure:
     from the held-out proxy at every checkpoint (thin line, `heldout` records:
     train/heldout.py) and from the training rows the draft is fitting (dotted, `train`
     records). Right, the decoded speedup against the eager AR, and against the compiled AR
-    (dotted) where the compiled path was the evaluation. A Figure without pyplot: a training
-    run saves it (`save_learning_curve`) without touching pyplot's backend."""
+    (dotted) where the compiled path was the evaluation. A pyplot-free Figure: a training run
+    saves it (`save_learning_curve`) without opening a pyplot window or choosing a backend."""
     fig = Figure(figsize=(11.0, 4.6))
     ax_tau, ax_speed = fig.subplots(1, 2)
     labels, title = _labels(groups)
@@ -214,12 +214,13 @@ def plot_learning_curve(groups: list[Group]) -> Figure:
             evals = [e for e in evals if e.get("train_s") is not None]
             held = [r for r in run.records if r.get("kind") == "heldout" and "train_s" in r]
             trained = [r for r in run.records if r.get("kind") == "train" and "train_s" in r]
-            name, named = (label if evals or held else "_"), named or bool(evals or held)
-            tags = [*(t for e in evals for t in eval_tags(e)), *_proxy_tags(held, PREFIX)]
+            shown = bool(evals or held)
+            name, named = (label if shown and not named else "_"), named or shown
+            tags = [*(t for e in evals for t in eval_tags(e)), *_proxy_tags(held, HELDOUT_PREFIX)]
             for tag in sorted(dict.fromkeys(tags), key=lambda t: t != "greedy"):
                 style = {"color": f"C{i % 10}", "ls": "-" if tag == "greedy" else "--"}
                 for records, prefix, what, extra in (
-                    (held, PREFIX, "held-out proxy", {"lw": 1.2}),
+                    (held, HELDOUT_PREFIX, "held-out proxy", {"lw": 1.2}),
                     (trained, "", "training-rows proxy", {"lw": 0.8, "ls": ":", "alpha": 0.6}),
                 ):
                     pts = [r for r in records if r.get(f"{prefix}sim_tau_{tag}") is not None]

@@ -38,6 +38,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+# The keys of held-out proxy records (train/heldout.py), apart from the train records' in W&B
+HELDOUT_PREFIX = "heldout/"
 # Config fields that never define a group: where a run is, how it is logged or resumed.
 RUN_MANAGEMENT = ("seed", "name", "run_dir", "resume", "overwrite", "device", "logger.")
 IGNORED_SUFFIXES = (".device", ".cache_dir", ".progress")
