@@ -143,7 +143,7 @@ class HeldOut:
         rec = window.flush(0, 0.0, self.k, list(setup.offsets))
         keep = ("loss_per_offset", "alpha", "top1", "sim_tau", "sim_tau_greedy", "oov_share")
         keep += tuple(f"{kind}_{tag}" for tag in tags for kind in ("alpha", "sim_tau"))
-        out = {PREFIX + key: rec[key] for key in keep}
-        out[PREFIX + "positions"] = sum(int(b["loss_mask"].sum()) for b in self.batches)
-        out[PREFIX + "seconds"] = round(time.perf_counter() - started, 2)
-        return out
+        held = {PREFIX + key: rec[key] for key in keep}
+        held[PREFIX + "positions"] = sum(int(b["loss_mask"].sum()) for b in self.batches)
+        held[PREFIX + "seconds"] = round(time.perf_counter() - started, 2)
+        return held
