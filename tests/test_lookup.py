@@ -1,18 +1,24 @@
 """Prompt lookup in front of a trained drafter (decoding/drafters/lookup.py): both drafters
 draft rounds of one decode, and the decode stays lossless: the target's greedy output token
 for token (a draft LM and an EAGLE-3 head behind it, one row and a left-padded batch), and
-the target's distribution under sampling (G-test). Bad settings are refused."""
+the target's distribution under sampling (G-test); the same for the hybrid tree (lookup
+grafted onto an EAGLE-2 or a Medusa tree, within the tree's size). Bad settings are refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from decoding.drafter import Sampling
+from decoding.drafters import make_drafter
 from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.eagle import EagleDrafter
-from decoding.drafters.lookup import LookupDrafter, with_lookup
+from decoding.drafters.lookup import LookupDrafter, fewer_nodes, graft, with_lookup
+from decoding.drafters.ngram import NgramDrafter
 from decoding.spec import generate
+from decoding.tree import DraftTree, TreeSpec
+from models import medusa
 from models.eagle import from_target
 from tests.helpers import (
     N_SINGLE,
@@ -138,5 +144,77 @@ def test_with_lookup_and_bad_settings(target):
         with pytest.raises(ValueError, match="decode.lookup_min_match must be an integer"):
             check_decode(dec)
     tree = compose_train("+experiment=debug", "decode=tree_dynamic", "decode.lookup_min_match=2")
-    with pytest.raises(ValueError, match="set it to 0 with decode.tree"):
-        check_decode(tree.decode)
+    check_decode(tree.decode)  # the hybrid tree
+    chains_only = LookupDrafter(NgramDrafter(), min_match=1)
+    with pytest.raises(ValueError, match="cannot draft trees"):
+        chains_only.propose_tree(torch.tensor([1]), TreeSpec(), Sampling())
+
+
+# -- the hybrid tree: lookup grafted onto the base's tree -------------------------------------
+def test_graft_follows_shared_nodes_appends_the_rest_and_pads_rows():
+    V = 12
+    q = torch.rand(2, 3, V)
+    base = DraftTree(
+        tokens=torch.tensor([[5, 6, 7], [4, 8, 9]]),
+        parents=torch.tensor([[-1, -1, 0], [-1, 0, 0]]),
+        q=q,
+    )
+    # Row 0: 5 is node 0 (followed), then 9 and 3 are new below it; row 1: no continuation.
+    got = graft(base, [[5, 9, 3], []], V)
+    assert got.tokens.tolist() == [[5, 6, 7, 9, 3], [4, 8, 9, 4, 4]]
+    assert got.parents.tolist() == [[-1, -1, 0, 0, 3], [-1, 0, 0, -1, -1]]
+    torch.testing.assert_close(got.q[:, :3], q)  # the base's q unchanged
+    torch.testing.assert_close(got.q[:, 3:], F.one_hot(got.tokens[:, 3:], V).float())
+    # A continuation that is already a root path adds nothing; greedy (q None) stays None.
+    same = graft(DraftTree(base.tokens, base.parents, None), [[5, 7], [4, 9]], V)
+    assert torch.equal(same.tokens, base.tokens) and same.q is None
+
+
+def test_fewer_nodes_keeps_a_valid_tree_of_that_size():
+    dynamic = TreeSpec(kind="dynamic", depth=4, top_k=4, num_nodes=12)
+    assert fewer_nodes(dynamic, 3).size == 9 and fewer_nodes(dynamic, 20).size == 1
+    static = TreeSpec(paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+    assert fewer_nodes(static, 2).paths == ((0,), (1,), (0, 0), (0, 1))
+
+
+@pytest.mark.parametrize("base", ["eagle_dynamic", "medusa_static"])
+def test_hybrid_tree_greedy_equals_the_targets_within_the_tree_size(target, refs, base):
+    """Left-padded batch: every row's output is the target's greedy one, lookup grafted nodes
+    in some rounds and not in others, and no round verified more than the tree's size."""
+    if base == "eagle_dynamic":
+        inner = EagleDrafter(_eagle(target), target)
+        tree = TreeSpec(kind="dynamic", depth=3, top_k=3, num_nodes=8)
+    else:
+        inner = make_drafter(medusa.from_target(target), target)
+        tree = TreeSpec(paths=((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))
+    ids, mask = left_pad([prompt_ids(target, p) for p in PROMPTS], target.tokenizer.pad_token_id)
+    drafter = LookupDrafter(inner, min_match=1)
+    out = generate(
+        target, ids, drafter, tree=tree, max_new_tokens=24, attention_mask=mask,
+        eos_token_ids=NO_EOS,
+    )  # fmt: skip
+    assert out.sequences == refs
+    assert 0 < drafter.lookup_rounds < drafter.rounds
+    assert max(out.tree_sizes) <= tree.size
+
+
+def test_hybrid_tree_sampling_follows_the_target_distribution(target):
+    """As the chain's G-test, with an EAGLE-2 tree that lookup grafts onto."""
+    sampling = Sampling(temperature=1.0)
+    ids = prompt_ids(target, "hello there")
+    ids = torch.cat([ids, ids[:, :3]], dim=1)  # [1, T+3]
+    table = exact_triples(target, ids, sampling, min_p=5 / N_SINGLE)
+    gen = torch.Generator().manual_seed(0)
+    inner = EagleDrafter(_eagle(target), target)
+    tree = TreeSpec(kind="dynamic", depth=2, top_k=2, num_nodes=4)
+    samples, rounds, lookups = [], 0, 0
+    for _ in range(N_SINGLE):
+        drafter = LookupDrafter(inner, min_match=1)
+        out = generate(
+            target, ids, drafter, tree=tree, sampling=sampling, max_new_tokens=4, generator=gen,
+            eos_token_ids=NO_EOS,
+        )  # fmt: skip
+        samples.append(tuple(out.sequences[0][:3]))
+        rounds, lookups = rounds + drafter.rounds, lookups + drafter.lookup_rounds
+    assert N_SINGLE // 4 <= lookups < rounds
+    assert g_test(samples, table) > P_THRESHOLD

@@ -4,7 +4,8 @@ of decoding/verify.py), no model; the loops are tests/test_tree.py.
 - static trees: order, parents, depths, ancestor mask; bad paths and kinds are refused;
 - tree verification by exact enumeration: greedy on a hand-built tree; the sampling step's
   output distribution equals p for i.i.d., without-replacement and deterministic siblings
-  (and a misapplied rule does not); two levels deep, the second token follows p given the first.
+  (and a misapplied rule does not), also with a deterministic lookup node and a pad copy
+  after sampled siblings (the hybrid tree); two levels deep, the second token follows p given the first.
 """
 
 from __future__ import annotations
@@ -116,6 +117,25 @@ def test_sibling_sampling_step_outputs_exactly_p(m):
         _, wor = list(sibling_schemes(q, m))[2]
         wrong = sum(prob * one_level_output(p, t, q.expand(m, 4)) for prob, t, _ in wor)
         assert (wrong - p).abs().max() > 0.04
+
+
+@pytest.mark.parametrize("lookup_token", [0, 3])
+def test_sampled_siblings_then_grafted_lookup_and_pad_nodes_output_exactly_p(lookup_token):
+    """The hybrid tree's root (decoding/drafters/lookup.py: graft): two i.i.d. draft
+    siblings, then a lookup node (a fixed token, one-hot q; 0 may repeat a draw) and a pad
+    copy of node 0 (one-hot q): the emitted token is still exactly p."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.rand(4, generator=g, dtype=torch.float64) ** 3
+    p /= p.sum()
+    q = torch.rand(4, generator=g, dtype=torch.float64) + 0.05
+    q /= q.sum()
+    one_hot = torch.eye(4, dtype=torch.float64)
+    total = torch.zeros(4, dtype=torch.float64)
+    for prob, xs, q_nodes in list(sibling_schemes(q, 2))[1][1]:  # i.i.d. draws
+        tokens = [*xs, lookup_token, xs[0]]
+        q_all = torch.cat([q_nodes, one_hot[[lookup_token, xs[0]]]])
+        total += prob * one_level_output(p, tokens, q_all)
+    torch.testing.assert_close(total, p, rtol=0, atol=1e-12)
 
 
 def test_two_level_tree_sampling_is_exact():

@@ -134,11 +134,6 @@ def check_decode(dec: DictConfig) -> None:
         raise ValueError(
             f"decode.lookup_min_match must be an integer >= 0 (0 = off), got {lookup!r}"
         )
-    if lookup and dec.get("tree") is not None:
-        raise ValueError(
-            "decode.lookup_min_match drafts chains (decoding/drafters/lookup.py): set it to 0 "
-            "with decode.tree, or decode with chains (decode=chain)"
-        )
 
 
 def check_draft_decode(cfg: DictConfig) -> None:

@@ -5,10 +5,20 @@ the trained drafter's chain. vLLM's n-gram and SGLang's lookahead drafting do th
 alone; here they share one decode, and text that repeats (code, names, quoted prompt) is
 drafted for free while the head keeps the rest.
 
-Lossless: which drafter a round uses is a function of the tokens so far only, never of the
-round's own draws or verification, and each draft is verified against the q it was drawn
-from (one-hot for lookup, decoding/verify.py), so every round is a valid speculative step
-(tests/test_lookup.py: equal to the target's greedy output, and the G-test of sampling).
+Trees (`propose_tree`, the hybrid): the base drafts its tree with as many nodes fewer as the
+longest lookup continuation has tokens (a dynamic tree drops its least confident nodes, a
+static one its last paths), and each row's continuation is grafted onto it as a trie
+(`graft`): it follows the nodes that already carry its tokens and appends the rest. So the
+verify stays within the tree's size + 1 positions, the width it was budgeted (and compiled)
+for, and a round proposes both the head's branches and the text that repeats.
+
+Lossless: which drafter a round uses, and every lookup node, is a function of the tokens so
+far only, never of the round's own draws or verification, and each draft is verified
+against the q it was drawn from (one-hot for lookup, decoding/verify.py), so every round is
+a valid speculative step (tests/test_lookup.py: equal to the target's greedy output, and the
+G-test of sampling). In a tree the grafted nodes come after every base node, so a base
+node's q given its earlier siblings is unchanged, and a deterministic sibling tried after
+them is one more valid rejection step (exact enumeration: tests/test_tree_verify.py).
 
 The trained drafter still sees every verified position: in a lookup round it is asked for
 one draft, which is dropped. `propose(k=1)` feeds it the positions committed since its last
@@ -19,21 +29,21 @@ drafts they did not feed).
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
 
 import torch
 from torch import Tensor
 
 from decoding.drafter import Drafter, Sampling
 from decoding.drafters.ngram import NgramDrafter
+from decoding.tree import DraftTree, TreeDrafter, TreeSpec, static_tree
 from models.target import TargetOutput
 
 
 class LookupDrafter:
-    """`base` (a trained chain drafter) with prompt lookup first (module docstring)."""
+    """`base` (a trained drafter) with prompt lookup first (module docstring)."""
 
-    tree_kinds: ClassVar[tuple[str, ...]] = ()  # chains only
-    replayable: ClassVar[bool] = False  # a decoding wrapper: replay trains the base's draft
+    replayable = False  # a decoding wrapper: replay trains the base's draft
 
     def __init__(self, base: Drafter, min_match: int = 2, max_ngram: int = 4):
         if min_match < 1:
@@ -42,6 +52,7 @@ class LookupDrafter:
         self.lookup = NgramDrafter(max(max_ngram, min_match), min_match)
         self.hidden_layers = base.hidden_layers
         self.vocab_size = base.vocab_size
+        self.tree_kinds = getattr(base, "tree_kinds", ())  # the base's trees, with lookup
         self.rounds = self.lookup_rounds = 0  # rounds proposed, and those lookup drafted
 
     def prefill(
@@ -63,9 +74,78 @@ class LookupDrafter:
             return self.lookup.drafts(found, sampling)  # [B, k'], one-hot q only when used
         return self.base.propose(last_tokens, k, sampling, generator)
 
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        last_tokens: Tensor,  # [B]
+        tree: TreeSpec,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+        max_depth: int | None = None,
+    ) -> DraftTree:
+        """The base's tree with each row's lookup continuation grafted on, within tree.size
+        nodes (module docstring)."""
+        if not isinstance(self.base, TreeDrafter):
+            raise ValueError(
+                f"{type(self.base).__name__} cannot draft trees (no propose_tree), with prompt "
+                "lookup or without; decode with a chain (decode=chain)"
+            )
+        depth = min(tree.max_depth, max_depth or tree.max_depth)
+        found = self.lookup.continuations(last_tokens, min(depth, tree.size - 1))
+        self.rounds += 1
+        room = max(len(f) for f in found)
+        if room:
+            self.lookup_rounds += 1
+            tree = fewer_nodes(tree, room)
+        drafted = self.base.propose_tree(last_tokens, tree, sampling, generator, max_depth)
+        return graft(drafted, found, self.lookup.num_logits) if room else drafted
+
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
         self.base.commit(num_accepted, emitted, target_out)
         self.lookup.commit(num_accepted, emitted, target_out)
+
+
+def fewer_nodes(tree: TreeSpec, n: int) -> TreeSpec:
+    """`tree` with n nodes fewer (at least one left): a dynamic tree keeps its most confident
+    size - n nodes; a static tree drops its last n paths in (depth, ranks) order, the deepest,
+    which are never a kept path's parent."""
+    keep = max(tree.size - n, 1)
+    if tree.kind == "dynamic":
+        return dataclasses.replace(tree, num_nodes=keep)
+    return dataclasses.replace(tree, paths=static_tree(tree.paths)[:keep])
+
+
+def graft(tree: DraftTree, paths: list[list[int]], vocab_size: int) -> DraftTree:
+    """Each row's `paths[b]` (tokens root-down, [] = none) merged into its tree as a trie:
+    where a node with the path's next token hangs below the current one the path follows
+    it, otherwise a node is appended (after every base node: the base's q per node stays
+    valid; an appended node's q is one-hot). Rows are then padded to a common size with
+    copies of their node 0 below the root: tried after node 0, such a copy is never accepted
+    (greedy ties go to the lower id; sampling has zeroed its token in the residual)."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    for row_tokens, row_parents, path in zip(tokens, parents, paths):
+        at = -1  # the root
+        for token in path:
+            below = [i for i, p in enumerate(row_parents) if p == at and row_tokens[i] == token]
+            if below:
+                at = below[0]
+            else:
+                row_tokens.append(token)
+                row_parents.append(at)
+                at = len(row_tokens) - 1
+    size = max(len(row) for row in tokens)
+    for row_tokens, row_parents in zip(tokens, parents):
+        pad = size - len(row_tokens)
+        row_tokens += [row_tokens[0]] * pad
+        row_parents += [-1] * pad
+    device = tree.tokens.device
+    new_tokens = torch.tensor(tokens, dtype=torch.long, device=device)  # [B, N']
+    new_parents = torch.tensor(parents, dtype=torch.long, device=tree.parents.device)
+    q = tree.q
+    if q is not None:  # [B, N, V] -> [B, N', V], the appended nodes one-hot
+        extra = torch.nn.functional.one_hot(new_tokens[:, q.shape[1] :], vocab_size)
+        q = torch.cat([q, extra.to(q.dtype)], dim=1)
+    return DraftTree(new_tokens, new_parents, q)
 
 
 def with_lookup(drafter: Drafter, min_match: int) -> Drafter:
