@@ -4,6 +4,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# MKL's float32 GEMM on AVX-512 CPUs may round differently with the operands' memory
+# alignment, so two processes doing the same steps can differ in the last bit (a resumed
+# run against an uninterrupted one: tests/test_resume.py, 1 ulp at step 11 on an Intel Xeon
+# with AMX). Strict conditional numerical reproducibility makes results alignment-free; set
+# before torch loads MKL, and inherited by the runs the tests start as subprocesses.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -51,9 +51,12 @@ def test_the_cache_is_keyed_by_machine_use_and_shapes(tmp_path, monkeypatch):
     dc.choose_dtype("decode", "auto", {"new": 9}, timer, CPU, tmp_path)  # another shape
     dc.choose_dtype("regenerate", "auto", {"new": 6}, timer, CPU, tmp_path)  # another use
     assert len(calls) == 6
-    for key, value in [("cpu", "Another CPU"), ("capability", "AVX512"), ("threads", 16),
-                       ("torch", "9.9"), ("onednn_isa", "AVX2")]:  # fmt: skip
-        other = {**dc.machine_key(), key: value}
+    here = dc.machine_key()
+    # Each key changed to a value it cannot have here (a fixed "AVX512" is this machine's own
+    # capability on an AVX-512 CPU).
+    for key in ("cpu", "capability", "threads", "torch", "onednn_isa"):
+        value = here[key] + 1 if key == "threads" else f"not {here[key]}"
+        other = {**here, key: value}
         monkeypatch.setattr(dc, "machine_key", lambda other=other: other)
         before = len(calls)
         dc.choose_dtype("decode", "auto", {"new": 6}, timer, CPU, tmp_path)

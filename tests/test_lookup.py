@@ -160,13 +160,13 @@ def test_graft_follows_shared_nodes_appends_the_rest_and_pads_rows():
         q=q,
     )
     # Row 0: 5 is node 0 (followed), then 9 and 3 are new below it; row 1: no continuation.
-    got = graft(base, [[5, 9, 3], []], V)
+    got = graft(base, [[5, 9, 3], []])
     assert got.tokens.tolist() == [[5, 6, 7, 9, 3], [4, 8, 9, 4, 4]]
     assert got.parents.tolist() == [[-1, -1, 0, 0, 3], [-1, 0, 0, -1, -1]]
     torch.testing.assert_close(got.q[:, :3], q)  # the base's q unchanged
     torch.testing.assert_close(got.q[:, 3:], F.one_hot(got.tokens[:, 3:], V).float())
     # A continuation that is already a root path adds nothing; greedy (q None) stays None.
-    same = graft(DraftTree(base.tokens, base.parents, None), [[5, 7], [4, 9]], V)
+    same = graft(DraftTree(base.tokens, base.parents, None), [[5, 7], [4, 9]])
     assert torch.equal(same.tokens, base.tokens) and same.q is None
 
 
@@ -175,6 +175,44 @@ def test_fewer_nodes_keeps_a_valid_tree_of_that_size():
     assert fewer_nodes(dynamic, 3).size == 9 and fewer_nodes(dynamic, 20).size == 1
     static = TreeSpec(paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
     assert fewer_nodes(static, 2).paths == ((0,), (1,), (0, 0), (0, 1))
+
+
+def test_a_hybrid_round_grafts_the_lookup_onto_the_bases_tree(target):
+    """One round by hand, a sampled Medusa tree (per-node q): the continuation after the
+    newest earlier 9 is a root path of the tree, its new nodes come after the base's with
+    one-hot q, the base drafted that many nodes fewer, and an unseen last token gives the
+    base's tree unchanged."""
+    sampling, V = Sampling(temperature=1.0), target.vocab_size
+    ids = torch.tensor([[5, 9, 7, 3, 9, 4, 6]])
+    heads = medusa.from_target(target)
+    out = target(ids, hidden_layers=make_drafter(heads, target).hidden_layers)  # the prefill
+    tree = TreeSpec(paths=((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))
+
+    def propose(lookup: bool, last: int, spec: TreeSpec, seed: int):
+        drafter = make_drafter(heads, target)
+        drafter = LookupDrafter(drafter, min_match=1) if lookup else drafter
+        drafter.prefill(ids, out)
+        gen = torch.Generator().manual_seed(seed)
+        return drafter, drafter.propose_tree(torch.tensor([last]), spec, sampling, gen)
+
+    drafter, got = propose(True, 9, tree, 0)
+    _, base = propose(False, 9, fewer_nodes(tree, 3), 0)  # the continuation 4, 6, 9: 3 tokens
+    n = base.tokens.shape[1]
+    assert n == 2 and torch.equal(got.tokens[:, :n], base.tokens)  # the base's nodes first
+    torch.testing.assert_close(got.q[:, :n], base.q)
+    torch.testing.assert_close(got.q[:, n:], F.one_hot(got.tokens[:, n:], V).float())
+    parents, tokens = got.parents[0].tolist(), got.tokens[0].tolist()
+    node, path = len(tokens) - 1, []  # the deepest node is the continuation's last
+    while node >= 0:
+        path.insert(0, tokens[node])
+        node = parents[node]
+    assert path == [4, 6, 9] and len(tokens) <= tree.size
+    assert (drafter.rounds, drafter.lookup_rounds) == (1, 1)
+    unseen = next(t for t in range(V) if t not in ids[0].tolist())
+    drafter, got = propose(True, unseen, tree, 1)
+    _, want = propose(False, unseen, tree, 1)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.q, want.q)
+    assert (drafter.rounds, drafter.lookup_rounds) == (1, 0)
 
 
 @pytest.mark.parametrize("base", ["eagle_dynamic", "medusa_static"])
@@ -198,15 +236,21 @@ def test_hybrid_tree_greedy_equals_the_targets_within_the_tree_size(target, refs
     assert max(out.tree_sizes) <= tree.size
 
 
-def test_hybrid_tree_sampling_follows_the_target_distribution(target):
-    """As the chain's G-test, with an EAGLE-2 tree that lookup grafts onto."""
+@pytest.mark.parametrize("base", ["eagle_dynamic", "medusa_static"])
+def test_hybrid_tree_sampling_follows_the_target_distribution(target, base):
+    """As the chain's G-test, with an EAGLE-2 tree (deterministic nodes) or a sampled Medusa
+    tree (per-node q, one-hot rows appended) that lookup grafts onto."""
     sampling = Sampling(temperature=1.0)
     ids = prompt_ids(target, "hello there")
     ids = torch.cat([ids, ids[:, :3]], dim=1)  # [1, T+3]
     table = exact_triples(target, ids, sampling, min_p=5 / N_SINGLE)
     gen = torch.Generator().manual_seed(0)
-    inner = EagleDrafter(_eagle(target), target)
-    tree = TreeSpec(kind="dynamic", depth=2, top_k=2, num_nodes=4)
+    if base == "eagle_dynamic":
+        inner = EagleDrafter(_eagle(target), target)
+        tree = TreeSpec(kind="dynamic", depth=2, top_k=2, num_nodes=4)
+    else:
+        inner = make_drafter(medusa.from_target(target), target)
+        tree = TreeSpec(paths=((0,), (1,), (0, 0), (1, 0)))
     samples, rounds, lookups = [], 0, 0
     for _ in range(N_SINGLE):
         drafter = LookupDrafter(inner, min_match=1)

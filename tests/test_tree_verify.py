@@ -4,8 +4,9 @@ of decoding/verify.py), no model; the loops are tests/test_tree.py.
 - static trees: order, parents, depths, ancestor mask; bad paths and kinds are refused;
 - tree verification by exact enumeration: greedy on a hand-built tree; the sampling step's
   output distribution equals p for i.i.d., without-replacement and deterministic siblings
-  (and a misapplied rule does not), also with a deterministic lookup node and a pad copy
-  after sampled siblings (the hybrid tree); two levels deep, the second token follows p given the first.
+  (and a misapplied rule does not), also for the hybrid tree's root (a lookup node and pad
+  copies grafted after sampled siblings); two levels deep, the second token follows p given
+  the first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import itertools
 import pytest
 import torch
 
-from decoding.tree import TreeSpec, ancestor_mask, static_parents, static_tree
+from decoding.drafters.lookup import graft
+from decoding.tree import DraftTree, TreeSpec, ancestor_mask, static_parents, static_tree
 from decoding.verify import node_depths, tree_greedy_verify, tree_rejection_verify
 
 
@@ -121,21 +123,28 @@ def test_sibling_sampling_step_outputs_exactly_p(m):
 
 @pytest.mark.parametrize("lookup_token", [0, 3])
 def test_sampled_siblings_then_grafted_lookup_and_pad_nodes_output_exactly_p(lookup_token):
-    """The hybrid tree's root (decoding/drafters/lookup.py: graft): two i.i.d. draft
-    siblings, then a lookup node (a fixed token, one-hot q; 0 may repeat a draw) and a pad
-    copy of node 0 (one-hot q): the emitted token is still exactly p."""
-    g = torch.Generator().manual_seed(5)
-    p = torch.rand(4, generator=g, dtype=torch.float64) ** 3
-    p /= p.sum()
-    q = torch.rand(4, generator=g, dtype=torch.float64) + 0.05
-    q /= q.sum()
-    one_hot = torch.eye(4, dtype=torch.float64)
-    total = torch.zeros(4, dtype=torch.float64)
-    for prob, xs, q_nodes in list(sibling_schemes(q, 2))[1][1]:  # i.i.d. draws
-        tokens = [*xs, lookup_token, xs[0]]
-        q_all = torch.cat([q_nodes, one_hot[[lookup_token, xs[0]]]])
-        total += prob * one_level_output(p, tokens, q_all)
-    torch.testing.assert_close(total, p, rtol=0, atol=1e-12)
+    """The hybrid tree's root (decoding/drafters/lookup.py: graft) over a batch of two rows
+    with the same two sampled siblings (i.i.d. or without replacement, each with its q_j):
+    row 1 grafts a lookup token (a new one-hot node, or, where a draw carries it, nothing),
+    row 0 none, so it is padded with a copy of its node 0 whenever row 1 grew. Every draw of
+    every scheme enumerated: each row's emitted token is exactly p. (With q far from p the
+    residual after the siblings stays spread, so a grafted node judged by any q but its
+    one-hot is off by up to 0.02 here: checked by making graft's q uniform.)"""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    for name, draws in list(sibling_schemes(q, 2))[1:]:  # i.i.d., without replacement
+        totals = torch.zeros(2, 4, dtype=torch.float64)
+        for prob, xs, q_nodes in draws:
+            base = DraftTree(
+                torch.tensor([xs, xs]), torch.full((2, 2), -1), q_nodes.expand(2, 2, 4)
+            )
+            tree = graft(base, [[], [lookup_token]])
+            assert (tree.parents == -1).all()  # one level: every node below the root
+            for row in range(2):
+                out = one_level_output(p, tree.tokens[row].tolist(), tree.q[row])
+                totals[row] += prob * out
+        for row in range(2):
+            torch.testing.assert_close(totals[row], p, rtol=0, atol=1e-12, msg=f"{name} row {row}")
 
 
 def test_two_level_tree_sampling_is_exact():

@@ -12,8 +12,9 @@ static one its last paths), and each row's continuation is grafted onto it as a 
 verify stays within the tree's size + 1 positions, the width it was budgeted (and compiled)
 for, and a round proposes both the head's branches and the text that repeats.
 
-Lossless: which drafter a round uses, and every lookup node, is a function of the tokens so
-far only, never of the round's own draws or verification, and each draft is verified
+Lossless: which drafter a round uses is a function of the tokens so far only, and every
+lookup node of the tokens so far and the base's nodes, never of the round's verification
+(its uniforms), and each draft is verified
 against the q it was drawn from (one-hot for lookup, decoding/verify.py), so every round is
 a valid speculative step (tests/test_lookup.py: equal to the target's greedy output, and the
 G-test of sampling). In a tree the grafted nodes come after every base node, so a base
@@ -30,8 +31,10 @@ drafts they did not feed).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from decoding.drafter import Drafter, Sampling
@@ -43,7 +46,7 @@ from models.target import TargetOutput
 class LookupDrafter:
     """`base` (a trained drafter) with prompt lookup first (module docstring)."""
 
-    replayable = False  # a decoding wrapper: replay trains the base's draft
+    replayable: ClassVar[bool] = False  # a decoding wrapper: replay trains the base's draft
 
     def __init__(self, base: Drafter, min_match: int = 2, max_ngram: int = 4):
         if min_match < 1:
@@ -52,7 +55,7 @@ class LookupDrafter:
         self.lookup = NgramDrafter(max(max_ngram, min_match), min_match)
         self.hidden_layers = base.hidden_layers
         self.vocab_size = base.vocab_size
-        self.tree_kinds = getattr(base, "tree_kinds", ())  # the base's trees, with lookup
+        self.tree_kinds = getattr(base, "tree_kinds", ())  # the base's trees, lookup grafted
         self.rounds = self.lookup_rounds = 0  # rounds proposed, and those lookup drafted
 
     def prefill(
@@ -98,7 +101,7 @@ class LookupDrafter:
             self.lookup_rounds += 1
             tree = fewer_nodes(tree, room)
         drafted = self.base.propose_tree(last_tokens, tree, sampling, generator, max_depth)
-        return graft(drafted, found, self.lookup.num_logits) if room else drafted
+        return graft(drafted, found) if room else drafted
 
     def commit(self, num_accepted: int, emitted: Tensor, target_out: TargetOutput) -> None:
         self.base.commit(num_accepted, emitted, target_out)
@@ -115,13 +118,14 @@ def fewer_nodes(tree: TreeSpec, n: int) -> TreeSpec:
     return dataclasses.replace(tree, paths=static_tree(tree.paths)[:keep])
 
 
-def graft(tree: DraftTree, paths: list[list[int]], vocab_size: int) -> DraftTree:
+def graft(tree: DraftTree, paths: list[list[int]]) -> DraftTree:
     """Each row's `paths[b]` (tokens root-down, [] = none) merged into its tree as a trie:
     where a node with the path's next token hangs below the current one the path follows
     it, otherwise a node is appended (after every base node: the base's q per node stays
     valid; an appended node's q is one-hot). Rows are then padded to a common size with
-    copies of their node 0 below the root: tried after node 0, such a copy is never accepted
-    (greedy ties go to the lower id; sampling has zeroed its token in the residual)."""
+    copies of their node 0 below the root, one-hot q: tried after node 0, a copy is never
+    accepted when node 0 is deterministic (greedy ties go to the lower id; sampling has zeroed
+    its token in the residual), and is one more valid sibling when node 0 was sampled."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     for row_tokens, row_parents, path in zip(tokens, parents, paths):
         at = -1  # the root
@@ -143,7 +147,7 @@ def graft(tree: DraftTree, paths: list[list[int]], vocab_size: int) -> DraftTree
     new_parents = torch.tensor(parents, dtype=torch.long, device=tree.parents.device)
     q = tree.q
     if q is not None:  # [B, N, V] -> [B, N', V], the appended nodes one-hot
-        extra = torch.nn.functional.one_hot(new_tokens[:, q.shape[1] :], vocab_size)
+        extra = F.one_hot(new_tokens[:, q.shape[1] :], q.shape[-1])
         q = torch.cat([q, extra.to(q.dtype)], dim=1)
     return DraftTree(new_tokens, new_parents, q)
 
