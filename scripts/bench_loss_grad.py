@@ -5,9 +5,9 @@
 
 `lk_lambda` (train/losses.py) computes its gradient by hand in the forward pass
 (`_LKLambdaRows`). The reference is the same maths through autograd as the other losses run
-it: the decoder's alpha (`_alpha_rows`) and KL over the draft ids (`_forward_kl_rows`), one
-activation-checkpointed chunk (`_masked_reduce`). Both run on one [rows, vocab] chunk with a
-reduced vocabulary (the full row's logsumexp passed), interleaved, the order swapped every
+it (train/loss_rows.py): the decoder's alpha (`alpha_rows`) and KL over the draft ids
+(`forward_kl_rows`), one activation-checkpointed chunk (`masked_reduce`). Both run on one
+[rows, vocab] chunk with a reduced vocabulary (the full row's logsumexp passed), interleaved, the order swapped every
 repeat; the first repeat of each is a warm-up. Prints and writes JSON: the machine, the
 median and min-max per method, and their ratio.
 """
@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 from models.dtype_choice import machine_key
-from train.losses import _alpha_rows, _forward_kl_rows, _masked_reduce, lk_lambda
+from train.loss_rows import alpha_rows, forward_kl_rows, masked_reduce
+from train.losses import lk_lambda
 
 
 def _autograd_rows(draft, target, log_norm, temperature: float, eta: float):  # noqa: ANN001
-    alpha = _alpha_rows(draft, target, log_norm, temperature)  # [n]
+    alpha = alpha_rows(draft, target, log_norm, temperature)  # [n]
     lam = torch.exp(-eta * alpha.detach())
-    return lam * _forward_kl_rows(draft, target, temperature) + (1.0 - lam) * (1.0 - alpha)
+    return lam * forward_kl_rows(draft, target, temperature) + (1.0 - lam) * (1.0 - alpha)
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
     reference = partial(_autograd_rows, temperature=1.0, eta=3.0)
     methods = {
         "written_out": lambda x: lk_lambda(x, target, mask, 1.0, log_norm, reduction="sum"),
-        "autograd_checkpointed": lambda x: _masked_reduce(
+        "autograd_checkpointed": lambda x: masked_reduce(
             reference, x, (target, log_norm), mask, args.rows, "sum"
         ),
     }

@@ -25,8 +25,10 @@ finite minimum before any product, so 0 * (-inf) never appears and gradients sta
 One exception is real, not numerical: KL(q || p) is +inf when the draft puts mass where a
 truncated target has none; use kl or tv against top-k-truncated target logits.
 
-The acceptance statistics logged beside the losses (`acceptance_proxy`, `top1_agreement`,
-`simulated_tau`) are in train/acceptance.py.
+The per-row pieces and the chunked reduction are in train/loss_rows.py; JSD, NLA, D-PACE and
+weighted mixes of these losses in train/loss_family.py. The acceptance statistics logged
+beside the losses (`acceptance_proxy`, `top1_agreement`, `simulated_tau`) are in
+train/acceptance.py.
 """
 
 from __future__ import annotations
@@ -39,66 +41,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from decoding.drafter import Sampling
-from train.acceptance import DEFAULT_CHUNK, accept_rows, acceptance_proxy, check_logits
-
-
-def _log_probs(logits: Tensor, temperature: float) -> Tensor:
-    # fp32 maths whatever the logits' dtype; clamp so -inf never enters a product.
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # [n, V]
-    return logp.clamp_min(torch.finfo(logp.dtype).min)
-
-
-def _forward_kl_rows(draft: Tensor, target: Tensor, temperature: float) -> Tensor:
-    logq, logp = _log_probs(draft, temperature), _log_probs(target, temperature)
-    return (logp.exp() * (logp - logq)).sum(-1)  # [n] KL(p || q)
-
-
-def _reverse_kl_rows(draft: Tensor, target: Tensor, temperature: float) -> Tensor:
-    logq, logp = _log_probs(draft, temperature), _log_probs(target, temperature)
-    return (logq.exp() * (logq - logp)).sum(-1)  # [n] KL(q || p)
-
-
-def _tv_rows(draft: Tensor, target: Tensor, temperature: float) -> Tensor:
-    q = F.softmax(draft.float() / temperature, dim=-1)
-    p = F.softmax(target.float() / temperature, dim=-1)
-    return 0.5 * (p - q).abs().sum(-1)  # [n]
-
-
-def _ce_rows(draft: Tensor, labels: Tensor, temperature: float) -> Tensor:
-    return -_log_probs(draft, temperature).gather(-1, labels.long()).squeeze(-1)  # [n]
-
-
-def _masked_reduce(
-    rows_fn: Callable[..., Tensor],  # (draft [n, V], *rows) -> [n]; options bound by partial
-    draft_logits: Tensor,  # [N, V]
-    rows: tuple[Tensor | None, ...],  # per position: [N, V] target, [N, 1] labels, [N]; or None
-    mask: Tensor,  # [N]
-    chunk_size: int,
-    reduction: str,
-    checkpointed: bool = True,  # False: rows_fn keeps what its own backward needs
-) -> Tensor:
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    keep = mask.bool()
-    draft_logits = draft_logits[keep]  # [M, V]
-    rows = tuple(None if r is None else r[keep] for r in rows)
-    total = draft_logits.new_zeros((), dtype=torch.float32)
-    for start in range(0, draft_logits.shape[0], chunk_size):
-        d = draft_logits[start : start + chunk_size]
-        chunk = tuple(None if r is None else r[start : start + chunk_size] for r in rows)
-        if d.requires_grad and checkpointed:  # recompute the [n, V] temporaries in backward
-            out = checkpoint(rows_fn, d, *chunk, use_reentrant=False)
-        else:
-            out = rows_fn(d, *chunk)
-        total = total + out.sum()
-    if draft_logits.shape[0] == 0:
-        total = total + 0.0 * draft_logits.sum()  # keep the graph connected on empty masks
-    if reduction == "sum":
-        return total
-    return total / max(int(keep.sum()), 1)
+from train import loss_family as family
+from train.acceptance import DEFAULT_CHUNK, acceptance_proxy, check_logits
+from train.loss_rows import (
+    alpha_rows,
+    ce_rows,
+    check_log_norm,
+    decoder_cutoffs,
+    forward_kl_rows,
+    masked_reduce,
+    reverse_kl_rows,
+    tv_rows,
+)
 
 
 def forward_kl(
@@ -111,8 +67,8 @@ def forward_kl(
 ) -> Tensor:
     """KL(p || q) = sum_x p log(p / q), p = target, q = draft: mode-covering."""
     check_logits(draft_logits, target_logits, mask, temperature)
-    rows_fn = partial(_forward_kl_rows, temperature=temperature)
-    return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
+    rows_fn = partial(forward_kl_rows, temperature=temperature)
+    return masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
 
 def reverse_kl(
@@ -125,8 +81,8 @@ def reverse_kl(
 ) -> Tensor:
     """KL(q || p) = sum_x q log(q / p): mode-seeking."""
     check_logits(draft_logits, target_logits, mask, temperature)
-    rows_fn = partial(_reverse_kl_rows, temperature=temperature)
-    return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
+    rows_fn = partial(reverse_kl_rows, temperature=temperature)
+    return masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
 
 def total_variation(
@@ -141,8 +97,8 @@ def total_variation(
     with a full vocabulary (a reduced one renormalises p over the draft ids; the TV family
     below uses the decoder's p)."""
     check_logits(draft_logits, target_logits, mask, temperature)
-    rows_fn = partial(_tv_rows, temperature=temperature)
-    return _masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
+    rows_fn = partial(tv_rows, temperature=temperature)
+    return masked_reduce(rows_fn, draft_logits, (target_logits,), mask, chunk_size, reduction)
 
 
 def cross_entropy(
@@ -160,35 +116,8 @@ def cross_entropy(
         labels = target_logits.argmax(-1)  # [N]
     if labels.shape != mask.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must match mask {tuple(mask.shape)}")
-    rows_fn = partial(_ce_rows, temperature=temperature)
-    return _masked_reduce(rows_fn, draft_logits, (labels[:, None],), mask, chunk_size, reduction)
-
-
-def _check_log_norm(target_log_norm: Tensor | None, mask: Tensor) -> None:
-    if target_log_norm is not None and target_log_norm.shape != mask.shape:
-        raise ValueError(
-            f"target_log_norm {tuple(target_log_norm.shape)} must be [N] = "
-            f"[{mask.shape[0]}]: the logsumexp of each FULL-vocabulary target row / temperature"
-        )
-
-
-def _decoder_cutoffs(target: Tensor, log_norm: Tensor | None, temperature: float) -> Tensor:
-    """[n, 2] (cut, lse) for accept_rows at the loss temperature, no top-k / top-p: p at the
-    draft ids is exp(z - lse) with lse the FULL target row's logsumexp (`log_norm`), or this
-    row's own when log_norm is None (the target logits are the full vocabulary)."""
-    if log_norm is None:
-        log_norm = (target.float() / temperature).logsumexp(-1)  # [n]
-    log_norm = log_norm.float()
-    return torch.stack([torch.full_like(log_norm, float("-inf")), log_norm], -1)
-
-
-def _alpha_rows(
-    draft: Tensor, target: Tensor, log_norm: Tensor | None, temperature: float
-) -> Tensor:
-    """[n] alpha = sum over the draft ids of min(p, q) as the decoder sees it, differentiable
-    in the draft logits (the same maths as acceptance_proxy)."""
-    cutoffs = _decoder_cutoffs(target, log_norm, temperature)
-    return accept_rows(draft, target, cutoffs, Sampling(temperature=temperature))
+    rows_fn = partial(ce_rows, temperature=temperature)
+    return masked_reduce(rows_fn, draft_logits, (labels[:, None],), mask, chunk_size, reduction)
 
 
 class _LKLambdaRows(torch.autograd.Function):
@@ -236,7 +165,7 @@ def _lk_lambda_rows(
 
 
 def _lk_alpha_rows(draft: Tensor, target: Tensor, log_norm: Tensor | None, temperature: float):
-    alpha = _alpha_rows(draft, target, log_norm, temperature)  # [n]
+    alpha = alpha_rows(draft, target, log_norm, temperature)  # [n]
     # alpha = 0 only when q and p have disjoint supports (-inf logits): a large finite loss.
     return -alpha.clamp_min(torch.finfo(alpha.dtype).tiny).log()
 
@@ -250,8 +179,8 @@ def _ce_tv_rows(
     ce_weight: float,
     tv_weight: float,
 ) -> Tensor:
-    ce = _ce_rows(draft, labels, temperature)  # [n]
-    tv = 1.0 - _alpha_rows(draft, target, log_norm, temperature)  # [n]
+    ce = ce_rows(draft, labels, temperature)  # [n]
+    tv = 1.0 - alpha_rows(draft, target, log_norm, temperature)  # [n]
     return ce_weight * ce + tv_weight * tv
 
 
@@ -276,7 +205,7 @@ def lk_lambda(
     alpha and TV are the decoder's (module docstring); KL(p || q) renormalises p over the
     draft ids, as `kl`."""
     check_logits(draft_logits, target_logits, mask, temperature)
-    _check_log_norm(target_log_norm, mask)
+    check_log_norm(target_log_norm, mask)
     if eta < 0:
         raise ValueError(f"loss.eta must be >= 0 (0 = pure forward KL), got {eta}")
     if alpha_mode not in ("position", "batch"):
@@ -285,14 +214,14 @@ def lk_lambda(
     if alpha_mode == "batch":  # one lambda from the mean alpha, before the chunks
         cutoffs = None  # acceptance_proxy then uses each row's own logsumexp (full vocab)
         if target_log_norm is not None:
-            cutoffs = _decoder_cutoffs(target_logits, target_log_norm, temperature)
+            cutoffs = decoder_cutoffs(target_logits, target_log_norm, temperature)
         sampling = Sampling(temperature=temperature)
         alpha = acceptance_proxy(draft_logits, target_logits, mask, sampling, cutoffs, chunk_size)
         lam = torch.exp(-eta * alpha)  # [] no grad: acceptance_proxy is no_grad
     # The written-out gradient (`_LKLambdaRows`) in place of a checkpointed chunk.
     rows_fn = partial(_lk_lambda_rows, temperature=temperature, eta=eta, lam=lam)
     rows = (target_logits, target_log_norm)
-    return _masked_reduce(
+    return masked_reduce(
         rows_fn, draft_logits, rows, mask, chunk_size, reduction, checkpointed=False
     )
 
@@ -311,10 +240,10 @@ def lk_alpha(
     that keeps it from vanishing while alpha is small (from scratch). Against a one-hot
     target it is cross-entropy."""
     check_logits(draft_logits, target_logits, mask, temperature)
-    _check_log_norm(target_log_norm, mask)
+    check_log_norm(target_log_norm, mask)
     rows_fn = partial(_lk_alpha_rows, temperature=temperature)
     rows = (target_logits, target_log_norm)
-    return _masked_reduce(rows_fn, draft_logits, rows, mask, chunk_size, reduction)
+    return masked_reduce(rows_fn, draft_logits, rows, mask, chunk_size, reduction)
 
 
 def ce_tv_mix(
@@ -335,7 +264,7 @@ def ce_tv_mix(
     CE is `cross_entropy`'s (labels, or the target's argmax over the draft ids); TV = 1 -
     alpha is the decoder's (module docstring)."""
     check_logits(draft_logits, target_logits, mask, temperature)
-    _check_log_norm(target_log_norm, mask)
+    check_log_norm(target_log_norm, mask)
     if ce_weight < 0 or tv_weight < 0:
         raise ValueError(
             f"loss.ce_weight and loss.tv_weight must be >= 0, got {ce_weight} and {tv_weight}"
@@ -348,7 +277,7 @@ def ce_tv_mix(
         _ce_tv_rows, temperature=temperature, ce_weight=ce_weight, tv_weight=tv_weight
     )
     rows = (target_logits, labels[:, None], target_log_norm)
-    return _masked_reduce(rows_fn, draft_logits, rows, mask, chunk_size, reduction)
+    return masked_reduce(rows_fn, draft_logits, rows, mask, chunk_size, reduction)
 
 
 @dataclass(frozen=True)
@@ -362,6 +291,10 @@ class Loss:
     # alpha over the target's FULL-vocabulary p: the caller passes `target_log_norm`, which a
     # replay batch does not carry
     full_vocab_alpha: bool = False
+    check: Callable[..., None] | None = None  # check(**options): bad settings refused up front
+    # D-PACE: each position's weight from its chain of drafts, every offset at once; the step
+    # passes it as `position_weights` and the offsets' own weights become 1 (train/step.py)
+    chain_weights: Callable[..., list[Tensor]] | None = None
 
     def __call__(self, *args, **kwargs) -> Tensor:
         return self.fn(*args, **kwargs)
@@ -377,7 +310,19 @@ LOSSES: dict[str, Loss] = {
     "dspark": Loss(
         ce_tv_mix, options=("ce_weight", "tv_weight"), takes_labels=True, full_vocab_alpha=True
     ),
+    "jsd": Loss(family.jensen_shannon, options=("skew",), check=family.check_jsd),
+    "nla": Loss(family.neg_log_acceptance, options=("eps",), check=family.check_nla),
+    "dpace": Loss(
+        family.dpace,
+        options=("dpace_alpha",),
+        check=family.check_dpace,
+        chain_weights=family.dpace_chain_weights,
+    ),
 }
+LOSSES["mix"] = Loss(
+    partial(family.loss_mix, losses=LOSSES), options=("parts",), takes_labels=True,
+    full_vocab_alpha=True, check=partial(family.check_mix, losses=LOSSES),
+)  # fmt: skip
 
 
 def loss_options(loss: Loss, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -425,6 +370,8 @@ class LossSpec:
                 f"losses that do: {sorted(n for n, spec in LOSSES.items() if spec.takes_labels)}"
             )
         options = loss_options(loss, settings)
+        if loss.check is not None:
+            loss.check(**options)
         return cls(name, loss, temperature, labels == "data", options)
 
     def sum(
@@ -434,9 +381,12 @@ class LossSpec:
         mask: Tensor,  # [N]
         labels: Tensor | None = None,  # [N] the data's next tokens (labels_from_data)
         target_log_norm: Tensor | None = None,  # [N] full-vocabulary logsumexp (full_vocab_alpha)
+        position_weights: Tensor | None = None,  # [N] this offset's chain_weights (D-PACE)
     ) -> Tensor:
         """The masked SUM of the loss over positions, with what this loss declares it needs."""
         kwargs = dict(self.options)
+        if position_weights is not None:
+            kwargs["position_weights"] = position_weights
         if self.loss.full_vocab_alpha:
             kwargs["target_log_norm"] = target_log_norm
         if self.labels_from_data:

@@ -118,9 +118,14 @@ class StepStats:
         return StepStats(**out)
 
 
-def offset_weights(out: DraftOutput, offset_decay: float) -> list[float]:
+def offset_weights(
+    out: DraftOutput, offset_decay: float, loss: LossSpec | None = None
+) -> list[float]:
     """The loss weight of each offset: the draft's own (`DraftOutput.offset_weights`, DFlash's
-    exp(-(i-1)/gamma)) or offset_decay ** i."""
+    exp(-(i-1)/gamma)) or offset_decay ** i; 1 for a loss that weighs positions by their
+    chain of drafts itself (`Loss.chain_weights`, D-PACE)."""
+    if loss is not None and loss.loss.chain_weights is not None:
+        return [1.0] * len(out.offsets)
     if out.offset_weights is not None:
         return list(out.offset_weights)
     return [offset_decay**i for i in range(len(out.offsets))]
@@ -177,7 +182,13 @@ def offset_losses(
         # Once for every offset: a column gather over [B, T, V] per offset cost 6% of an
         # EAGLE-3 step on the embedded target (5 offsets, V = 49152 -> 8192).
         at_draft_ids = target_logits.index_select(-1, out.vocab_ids.to(target_logits.device))
-    weights = offset_weights(out, setup.offset_decay)
+    weights = offset_weights(out, setup.offset_decay, loss)
+    chain = None  # [N] per offset: D-PACE's weights, from every offset of each chain at once
+    if loss.loss.chain_weights is not None:
+        chain = loss.loss.chain_weights(
+            out.logits, out.offsets, out.positions, at_draft_ids, batch["loss_mask"],
+            loss.temperature, **loss.options,
+        )  # fmt: skip
     for i, (logits, off) in enumerate(zip(out.logits, setup.offsets, strict=True)):
         if off != out.offsets[i]:
             raise ValueError(
@@ -212,11 +223,12 @@ def offset_losses(
         log_norm = None  # [N] the full-vocabulary logsumexp, for the losses that declare it
         if loss.loss.full_vocab_alpha:
             log_norm = _rows_at(cutoffs[0], off, index)[..., 1].reshape(-1)
-        loss_sum = loss.sum(d, t, loss_mask, labels=labels, target_log_norm=log_norm)
+        position_weights = None if chain is None else chain[i]
+        loss_sum = loss.sum(d, t, loss_mask, labels, log_norm, position_weights)
         if out.base_logits is not None and out.base_loss_weight > 0:  # Domino's curriculum
             base = out.base_logits[i] if index is not None else out.base_logits[i][:, : T - off]
             base_sum = loss.sum(
-                base.float().reshape(d.shape), t, loss_mask, labels=labels, target_log_norm=log_norm
+                base.float().reshape(d.shape), t, loss_mask, labels, log_norm, position_weights
             )
             loss_sum = (1 - out.base_loss_weight) * loss_sum + out.base_loss_weight * base_sum
         loss_sum = loss_sum * scale
@@ -332,7 +344,7 @@ def train_step(
             accelerator.backward(loss)
     stats = stats.reduce(accelerator)
     grad_norm = accelerator.clip_grad_norm_(params, setup.max_grad_norm or float("inf"))
-    weights = offset_weights(out, setup.offset_decay)
+    weights = offset_weights(out, setup.offset_decay, setup.loss)
     loss_value = float(sum(weights[i] * stats.loss[i] / counts[i] for i in range(n_off)))
     loss_value += float(stats.aux)
     return StepResult(stats, counts, loss_value, float(grad_norm), target_s)
