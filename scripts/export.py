@@ -11,7 +11,9 @@ CKPT is a `<run_dir>/checkpoints/step_N` directory; its config.yaml (for an olde
 the run's) names the target. `--format speculators` also writes the served target's id
 (`--verifier`, default: the target's hub id where the config names one) and the draft length
 per round (`--speculative-tokens`, default: the run's decode.k).
-Formats, what each engine needs and what is refused: docs/export.md.
+Which draft kind is written as which format (`--help`; train/formats/kinds.py) is checked
+from the checkpoint's draft.yaml before the target loads. Formats, what each engine needs and
+what is refused: docs/export.md.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from pathlib import Path
 
 from train.formats.eagle import hub_id
 from train.formats.export import (
-    FORMATS,
     ExportError,
     check_out_dir,
     check_served_settings,
@@ -30,6 +31,7 @@ from train.formats.export import (
     export,
     load_run_draft,
 )
+from train.formats.kinds import FORMATS, check_kind_format, checkpoint_export_kind, formats_by_kind
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -39,7 +41,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument(
         "checkpoint", type=Path, metavar="CKPT", help="<run_dir>/checkpoints/step_N"
     )
-    parser.add_argument("--format", required=True, choices=FORMATS, help="see docs/export.md")
+    parser.add_argument(
+        "--format",
+        required=True,
+        choices=FORMATS,
+        help=f"what each draft kind is written as: {formats_by_kind()} (docs/export.md)",
+    )
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     parser.add_argument("--device", default="cpu", help="where to load the target (default cpu)")
@@ -62,13 +69,14 @@ def main(argv: list[str] | None = None) -> Path:
             "directory written by a draftlab training run"
         )
     verifier, k = args.verifier, args.speculative_tokens
-    try:
+    try:  # everything refusable is refused before the target loads
+        check_out_dir(args.out, args.overwrite)
+        check_kind_format(checkpoint_export_kind(args.checkpoint), args.format)
         if args.format == "speculators":  # defaults from the run's config, checked before loading
             cfg = checkpoint_config(args.checkpoint)
             verifier = verifier or hub_id(cfg.get("target") or {})
             k = k if k is not None else (cfg.get("decode") or {}).get("k")
         check_served_settings(args.format, verifier, k)
-        check_out_dir(args.out, args.overwrite)  # before the target loads
     except ExportError as err:
         sys.exit(f"export refused, nothing written: {err}")
     draft, target = load_run_draft(args.checkpoint, device=args.device)

@@ -30,11 +30,12 @@ adapted target) and `base_model_name_or_path` points there: its heads read the a
                the draft length per round (`speculative_tokens`).
   eagle        an EAGLE-3 head in the EAGLE / SGLang / SpecForge layout (`midlayer.*`,
                `LlamaForCausalLMEagle3`), or an EAGLE-1 head as vLLM's `llama_eagle.py`.
-Refused, nothing written: `mtp` (no engine serves MTP heads for a Llama target), DFlash /
-Domino drafts (no engine format in scope: docs/dflash.md), a draft
-that does not fit the format (EAGLE: see train/formats/eagle.py), a vocabulary that is not
-the target's, NaN/Inf weights, a shared target head with a bias (Medusa engines' output layers have none),
-Medusa-repository heads with more than one block per head (that repository repeats ONE
+Which kind is written as which format: train/formats/kinds.py (`EXPORT_FORMATS`). Refused,
+nothing written: a kind / format pair outside that table, MTP / DFlash / Domino drafts (no
+format serves them: `REFUSED` there says why), a draft that does not fit the format (EAGLE:
+see train/formats/eagle.py), a vocabulary that is not the target's, NaN/Inf weights, a
+shared target head with a bias (Medusa engines' output layers have none), Medusa-repository
+heads with more than one block per head (that repository repeats ONE
 block L times, `[ResBlock(H)] * L`, so independent blocks cannot be expressed), and an
 existing non-empty output directory unless `overwrite`. Every export is written into a
 temporary directory beside `out`, read back and checked for every key and config field its
@@ -56,16 +57,14 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from models.dflash import DFlashDraft
 from models.draft_lm import DraftLM
 from models.medusa import MedusaHeads
-from models.mtp import MTP
 from models.target import Target
 from train.checkpoint import load_draft
 from train.formats.checks import ExportError, check_finite, check_keys, check_vocab, read_back
 from train.formats.eagle import export_eagle, export_speculators
+from train.formats.kinds import check_kind_format, module_export_kind
 
-FORMATS = ("hf", "medusa", "vllm-medusa", "mtp", "eagle", "speculators")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 VLLM_WEIGHTS = "model.safetensors"
 MERGED_TARGET = "merged_target"
@@ -238,21 +237,9 @@ def export_vllm_medusa(heads: MedusaHeads, target: Target, out: Path, final: Pat
     check_keys(got, vllm_medusa_keys(heads.num_heads, num_layers), VLLM_WEIGHTS)
 
 
-# -- refusals ----------------------------------------------------------------------------------
 def refuse(fmt: str, draft: nn.Module) -> None:
-    if fmt == "mtp" or isinstance(draft, MTP):
-        raise ExportError(
-            "MTP heads are not exported: no serving engine runs MTP heads for a Llama-style "
-            "target (vLLM and SGLang serve only the DeepSeek-V3 / Qwen native MTP layers of "
-            "those models). Evaluate it with scripts/evaluate.py instead."
-        )
-    if isinstance(draft, DFlashDraft):  # Domino's DominoDraft too
-        raise ExportError(
-            f"{type(draft).__name__} checkpoints (draft=dflash / domino) are not exported: no "
-            "engine format for them is in scope yet (SGLang / vLLM / speculators load z-lab's "
-            "DFlash layout, which differs: a mask token id instead of the learned mask vector, "
-            "Qwen3 q/k norms). Evaluate it with scripts/evaluate.py instead."
-        )
+    """Refuse a format the draft's kind is not written as (train/formats/kinds.py)."""
+    check_kind_format(module_export_kind(draft), fmt)
 
 
 def check_served_settings(fmt: str, verifier: str | None, speculative_tokens: int | None) -> None:
@@ -308,8 +295,6 @@ def export(
     exporting machine's path would mean nothing where it is served) and `speculative_tokens`
     (the draft length per round the engine proposes; scripts/export.py takes both from the
     checkpoint's config unless given); the other formats take neither."""
-    if fmt not in FORMATS:
-        raise ExportError(f"--format {fmt!r}: use one of {FORMATS}")
     refuse(fmt, draft)
     check_served_settings(fmt, verifier, speculative_tokens)
     writers: dict[str, Callable[[Path, Path], None]] = {
