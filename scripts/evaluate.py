@@ -48,9 +48,12 @@ Not overrides: `--prompts FILE.jsonl` decodes a file of prompts instead of the r
 eval prompts (an input, not a setting of the run: data.* describes how the eval split was
 built). Each line is one JSON object with a "prompt" string, rendered as one user turn with the
 run's chat template (data.chat_template) and the generation prompt, as the eval prompts are.
-Without it the eval prompts are rebuilt by train.data.prepare.prepare_data from the run's data
-config (it reads the run's regeneration cache; a missing cache means the training prompts are
-answered again first). `--out FILE.json` also writes every metric.
+Without it the run's own eval prompts are decoded: those the run stored beside its config
+(<run_dir>/eval_prompts.json, train/run_files.py), or, for a run from before runs stored them,
+for a checkpoint outside its run directory, or with data.* overrides that choose other prompts,
+rebuilt by train.data.prepare.prepare_data from the data config (it reads the run's
+regeneration cache; a missing cache means the training prompts are answered again first).
+`--out FILE.json` also writes every metric.
 
 Prints progress to stderr and a table of τ, α per position and speedup vs AR to stdout.
 """
@@ -73,12 +76,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from models.target import Target
 from train.checkpoint import PREFIX, latest_checkpoint, load_draft
-from train.data.chat import resolve_chat_template, tokenize_conversation
 from train.data.prepare import prepare_data
+from train.data.prompt_file import load_prompt_file
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.formats.export import checkpoint_config, load_target
 from train.formats.init_from import detect_format, init_draft_from
 from train.identity import evaluate_differences, refusal
+from train.run_files import read_eval_prompts
 from train.settings import check_decode, check_decode_context, check_draft_decode
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -212,39 +216,6 @@ def imported_draft(cfg: DictConfig, path: Path, target: Target) -> torch.nn.Modu
     return draft.eval()
 
 
-def load_prompts(path: Path, target: Target, chat_template: str | None) -> list[dict]:
-    """A .jsonl file of {"prompt": str, ...} -> eval prompts as train.data builds them: one
-    user turn through the run's chat template (data.chat_template) with the generation prompt."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts {path} does not exist")
-    template = resolve_chat_template(target.tokenizer, chat_template)
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {n}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(
-                f'{path} line {n}: expected an object with a "prompt" string, e.g. '
-                '{"prompt": "Write a haiku about tests."}'
-            )
-        if not row["prompt"].strip():
-            raise ValueError(f'{path} line {n}: "prompt" is empty')
-        messages = [{"role": "user", "content": row["prompt"]}]
-        ids, _ = tokenize_conversation(
-            target.tokenizer, messages, add_generation_prompt=True, chat_template=template
-        )
-        prompts.append(
-            {"category": row.get("category", "chat"), "messages": messages, "input_ids": ids}
-        )
-    if not prompts:
-        raise ValueError(f"{path} has no prompts (one JSON object per line)")
-    return prompts
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -308,15 +279,21 @@ def main(argv: list[str] | None = None) -> dict:
             "be ignored: drop it; and give the target the checkpoint was trained with.",
         ))  # fmt: skip
     if args.prompts is not None:
-        eval_prompts = load_prompts(args.prompts, target, cfg.data.get("chat_template"))
+        eval_prompts = load_prompt_file(
+            args.prompts, target.tokenizer, cfg.data.get("chat_template")
+        )
         source = str(args.prompts)
     else:
-        progress(
-            f"eval prompts of data.source={cfg.data.source!r} (train.data.prepare.prepare_data)"
-        )
-        data = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
-        eval_prompts = data.eval_prompts
-        source = "the run's eval split"
+        data, eval_prompts = OmegaConf.to_container(cfg.data, resolve=True), None
+        if ckpt is not None:  # <run_dir>/checkpoints/step_N: the prompts the run stored
+            eval_prompts, source = read_eval_prompts(ckpt.parent.parent, data)
+            if eval_prompts is None:  # why not, in one line
+                progress(f"{source}: rebuilding the eval prompts through the data preparation")
+        if eval_prompts is None:
+            progress(
+                f"eval prompts of data.source={cfg.data.source!r} (train.data.prepare.prepare_data)"
+            )
+            eval_prompts, source = prepare_data(target, **data).eval_prompts, "the run's eval split"
         if not eval_prompts:
             raise ValueError(
                 "the run's data config holds no eval prompts (data.num_eval=0); "

@@ -117,6 +117,7 @@ def test_jsonl_prompts_are_rendered_like_the_eval_prompts(run_dir, tmp_path):
     run's own evaluation of them did: same chat template, same generation prompt."""
     from models.target_loaders import build_tiny_random
     from train.data.prepare import prepare_data
+    from train.data.prompt_file import load_prompt_file
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
     assert cfg.target._target_ == "models.target_loaders.build_tiny_random" and cfg.target.seed == 0
@@ -127,7 +128,7 @@ def test_jsonl_prompts_are_rendered_like_the_eval_prompts(run_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": m[0]["content"]}) + "\n" for m in users))
 
-    rendered = ev.load_prompts(prompts, build_tiny_random(seed=0, device="cpu"), None)
+    rendered = load_prompt_file(prompts, build_tiny_random(seed=0, device="cpu").tokenizer, None)
     assert [p["input_ids"] for p in rendered] == [p["input_ids"] for p in prepared.eval_prompts[:3]]
 
     final = json.loads((run_dir / "summary.json").read_text())["final_eval"]
@@ -235,3 +236,36 @@ def test_overrides_follow_hydras_grammar(run_dir):
     for override, match in refusals.items():
         with pytest.raises(ValueError, match=match):
             ev.apply_overrides(cfg(), [override])
+
+
+def test_the_runs_stored_eval_prompts_need_no_data_preparation(run_dir, tmp_path, monkeypatch,
+                                                               capsys):  # fmt: skip
+    """A run stores its eval prompts beside its config (eval_prompts.json) and evaluate.py
+    decodes them without preparing the data; it prepares the data, with a one-line notice, for
+    a run without the file or data.* settings that choose other prompts."""
+    from models.target_loaders import build_tiny_random
+    from train.data.prepare import prepare_data
+
+    data = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").data, resolve=True)
+    prepared = prepare_data(build_tiny_random(seed=0, device="cpu"), **data)
+    stored = json.loads((run_dir / "eval_prompts.json").read_text())["prompts"]
+    assert stored == json.loads(json.dumps(prepared.eval_prompts)) and len(stored) >= 2
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return prepare_data(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "prepare_data", counted)
+    quick = ["decode.temperatures=[0]", "decode.num_prompts=2", "decode.max_new_tokens=6"]
+    from_file = ev.main([str(run_dir), *quick, "data.regen_concurrency=3"])  # not a choosing key
+    assert not calls and "prompts from " + str(run_dir / "eval_prompts.json") in capsys.readouterr().err  # fmt: skip
+
+    old = tmp_path / "old_run"  # a run from before runs stored their eval prompts
+    shutil.copytree(run_dir, old, ignore=shutil.ignore_patterns("eval_prompts.json"))
+    assert deterministic(ev.main([str(old), *quick])) == deterministic(from_file)
+    assert len(calls) == 1
+    assert "(a run from before runs stored their eval prompts): rebuilding the eval prompts" in capsys.readouterr().err  # fmt: skip
+    ev.main([str(run_dir), *quick, "data.num_eval=3"])  # other prompts: prepared again
+    assert len(calls) == 2 and "data.num_eval not as the run had them" in capsys.readouterr().err

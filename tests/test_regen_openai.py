@@ -2,7 +2,8 @@
 
 Without a server: the settings refused before the target loads, an unreachable server
 refused before any request (a real closed port), a full cache read with no server at all,
-answers re-tokenised through the target's template. With a real llama.cpp server (the
+answers re-tokenised through the target's template. Against a fake server in a thread:
+tests/test_regen_server.py. With a real llama.cpp server (the
 `slow` test, skipped unless DRAFTLAB_LLAMA_PYTHON names a python with
 `llama-cpp-python[server]`, docs/scaling.md): rows and masks built as the hf backend builds
 them, a partial cache resumed (only the rest is requested), an unknown model refused, and
@@ -15,10 +16,8 @@ import os
 import re
 import socket
 import subprocess
-import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from train.data.chat import tokenize_conversation
 from train.data.prepare import prepare_data
 from train.data.regen_openai import (
     answer_ids,
+    check_backend_settings,
     openai_settings,
     regenerate_openai,
 )
@@ -84,7 +84,7 @@ def test_backend_settings_refused_before_the_target_loads(tmp_path, monkeypatch,
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was loaded before the settings were checked")
 
-    monkeypatch.setattr(train.loop, "instantiate", no_loading)
+    monkeypatch.setattr(train.loop, "load_target", no_loading)
     openai = [] if "regen_backend" in override else ["data.regen_backend=openai", "data.regen_model=m"]  # fmt: skip
     with pytest.raises(ValueError, match=re.escape(message)):
         train.loop.run(compose_debug(tmp_path / "run", override, *openai))
@@ -126,71 +126,6 @@ def test_full_cache_needs_no_server_and_is_apart_from_the_hf_cache(tiny_target, 
     assert answers == rows and (stats["cached"], stats["generated"]) == (2, 0)
     with pytest.raises(ValueError, match="no OpenAI-compatible server"):  # one prompt left
         regenerate_openai(tiny_target, prompts + [[7, 7]], messages + [[]], **kw)
-
-
-class AnswersOnDisk(BaseHTTPRequestHandler):
-    """An OpenAI-compatible server that answers every question at once except "last", which
-    it answers only once every other answer is on disk (else HTTP 400): a regeneration that
-    holds finished answers back while a request is in flight fails against it."""
-
-    cache: Path
-    others: int
-
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-    def reply(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        self.reply(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        question = body["messages"][-1]["content"]
-        if question == "last":
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                lines = sum(
-                    len(f.read_text().splitlines()) for f in self.cache.rglob("responses*.jsonl")
-                )
-                if lines >= self.others:
-                    break
-                time.sleep(0.05)
-            else:
-                self.reply(400, {"error": {"message": "the other answers never reached disk"}})
-                return
-        choice = {"index": 0, "finish_reason": "stop",
-                  "message": {"role": "assistant", "content": f"re {question}"}}  # fmt: skip
-        self.reply(200, {"choices": [choice], "usage": {"completion_tokens": 3}})
-
-
-def test_each_answer_is_on_disk_as_it_arrives(tiny_target, tmp_path):
-    questions = ["last", *QUESTIONS]  # "last" is sent first: in flight while the rest finish
-    handler = type("Handler", (AnswersOnDisk,), {"cache": tmp_path, "others": len(QUESTIONS)})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    tok = tiny_target.tokenizer
-    messages = [[{"role": "user", "content": q}] for q in questions]
-    prompts = [
-        list(tok.apply_chat_template(m, add_generation_prompt=True, return_dict=False))
-        for m in messages
-    ]
-    try:
-        answers, stats = regenerate_openai(
-            tiny_target, prompts, messages, url=f"http://127.0.0.1:{server.server_port}/v1",
-            model="m", concurrency=2, retries=0, max_new_tokens=16, cache_dir=tmp_path,
-            progress=False,
-        )  # fmt: skip
-    finally:
-        server.shutdown()
-    assert stats["generated"] == len(questions)
-    assert [a["text"] for a in answers] == [f"re {q}" for q in questions]
 
 
 def test_answers_are_retokenised_through_the_targets_template(tiny_target):
@@ -300,3 +235,10 @@ def test_llama_cpp_server_answers_like_the_hf_backend(llama_server, tmp_path):
     again = prepare_data(target, **common, **openai_data(llama_server))
     assert (again.stats["regen"]["cached"], again.stats["regen"]["generated"]) == (3, 2)
     assert again.train["input_ids"] == served.train["input_ids"]  # greedy: the same answers
+
+
+def test_max_failed_share_is_a_share():
+    args = ("openai", "http://127.0.0.1:8000/v1", "m", 8, 3, 600, None, None)
+    check_backend_settings(*args, 0.0)
+    with pytest.raises(ValueError, match=r"data.max_failed_share must be a share .* got 1.5"):
+        check_backend_settings(*args, 1.5)

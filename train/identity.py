@@ -59,6 +59,7 @@ RESUME_FREE = (
     "train.eval_every", "train.feature_cache", "train.heldout_proxy", "data.progress",
     "data.cache_dir", "data.regen_batch_size", "train.dist_timeout_s", "data.regen_url",
     "data.regen_concurrency", "data.regen_retries", "data.regen_timeout",
+    "data.max_failed_share",
 )  # fmt: skip
 # What a resumed run continues from the saved state when changed: the data from the rows
 # consumed, the LR schedule the run started with.
@@ -300,7 +301,7 @@ def check_resume(
     course, continued = config_differences(saved_cfg, cfg) if saved_cfg else ([], [])
     listed = "data.chat_template" in {d.setting for d in course}  # the raw setting changed
     fields = ("weights", "dtype") if listed else ("weights", "chat_template", "dtype")
-    if str(cfg.target.get("dtype")) == "auto":  # loaded in float32; the saved dtype is kept
+    if str(cfg.target.get("dtype")) == "auto":  # a resumed auto run loads in the saved dtype
         fields = tuple(f for f in fields if f != "dtype")
     now = target_identity(target, cfg.data.get("chat_template"))
     diffs += target_differences(identity.get("target"), now, fields)

@@ -8,6 +8,9 @@
   refused start leaves the old run as it was.
 - `write_atomic`: a temporary file beside the target, fsync'ed, renamed over it; Ctrl-C or a
   crash leaves the old file or the new one, never a part of either.
+- `write_eval_prompts` / `read_eval_prompts`: the run's held-out eval prompts (token ids
+  included) with the data settings that chose them, so scripts/evaluate.py decodes them
+  without preparing the data again (which may regenerate the whole training set).
 - `save_hydra_record`: Hydra's own record of the command line (`.hydra/config.yaml`,
   `hydra.yaml`, `overrides.yaml`). conf/train.yaml keeps Hydra from creating the run
   directory at launch (`hydra.run.dir: .`, `hydra.output_subdir: null`, console-only job
@@ -16,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +29,11 @@ from omegaconf import OmegaConf
 
 # What a run writes into its directory besides checkpoints/ (a run's records).
 RECORDS = ("metrics.jsonl", "summary.json", "config.yaml")
+EVAL_PROMPTS = "eval_prompts.json"
+# data.* settings that do not choose or render the eval prompts (how the training prompts are
+# answered, where things are cached): a change of these leaves a run's stored prompts valid.
+NOT_EVAL_SETTINGS = ("progress", "cache_dir", "max_new_tokens", "temperature", "top_p",
+                     "max_failed_share", "num_reference", "num_raw_chunks")  # fmt: skip
 
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -62,6 +71,34 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _eval_settings(data: dict) -> dict:
+    return {
+        k: v for k, v in data.items() if k not in NOT_EVAL_SETTINGS and not k.startswith("regen_")
+    }
+
+
+def write_eval_prompts(run_dir: Path, prompts: list[dict], data: dict) -> None:
+    """The run's eval prompts (train.data.prepare: PreparedData.eval_prompts) beside its
+    config, with the data.* settings (`data`, resolved) that chose them."""
+    record = {"data": _eval_settings(data), "prompts": prompts}
+    write_atomic(run_dir / EVAL_PROMPTS, json.dumps(record, default=str))
+
+
+def read_eval_prompts(run_dir: Path, data: dict) -> tuple[list[dict] | None, str]:
+    """The eval prompts a run stored, if its data settings are `data`'s; else None and why
+    (a run from before runs stored them, or data.* settings that choose other prompts)."""
+    path = run_dir / EVAL_PROMPTS
+    if not path.is_file():
+        return None, f"no {path} (a run from before runs stored their eval prompts)"
+    stored = json.loads(path.read_text())
+    now = _eval_settings(data)
+    changed = sorted(k for k in stored["data"].keys() | now.keys()
+                     if stored["data"].get(k) != now.get(k))  # fmt: skip
+    if changed:
+        return None, f"data.{', data.'.join(changed)} not as the run had them ({path})"
+    return stored["prompts"], str(path)
 
 
 def save_hydra_record(run_dir: Path, task_cfg) -> None:

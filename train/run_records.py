@@ -129,6 +129,8 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
             "regenerate": summary["data_stats"].get("regen_dtype"),
             **last_eval.get("dtypes", {}),
         },
+        # Prompts the regeneration server refused, left out of the training rows (null: hf)
+        "regen_failed": (summary["data_stats"].get("regen") or {}).get("failed"),
         "last_checkpoint": records.last_checkpoint,
         "final_train": records.last_train,
         "final_heldout": records.last_heldout,  # null without train.heldout_proxy

@@ -103,6 +103,7 @@ def prepare_data(
     regen_retries: int = 3,
     regen_timeout: float = 600.0,
     regen_request: dict | None = None,
+    max_failed_share: float = 0.01,
     seed: int = 0,
     cache_dir: str | None = None,
     stdlib_files: int = 150,
@@ -124,14 +125,14 @@ def prepare_data(
     prompts; rank 0 picks the regeneration dtype for all of them; every rank gets the
     same data. `regen_backend`: hf (the target in this process, in `regen_dtype`,
     `regen_batch_size` slots of continuous batching: train/data/answer_batch.py) or openai (an OpenAI-compatible server: the other
-    regen_* settings, train/data/regen_openai.py; rank 0 sends the requests, the server
-    batches them, the other ranks read its cache).
+    regen_* settings, train/data/regen_openai.py; each rank sends its share of the requests;
+    prompts the server refuses are left out, at most `max_failed_share` of them).
     """
     ranks = ranks or Ranks()
     if regenerate:
         check_backend_settings(
             regen_backend, regen_url, regen_model, regen_concurrency, regen_retries,
-            regen_timeout, regen_request, chat_template,
+            regen_timeout, regen_request, chat_template, max_failed_share,
         )  # fmt: skip
     tok = target.tokenizer
     try:
@@ -238,17 +239,13 @@ def prepare_data(
         )  # fmt: skip
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
         if regen_backend == "openai":  # a server answers (its dtype is its own)
-            if not ranks.main:  # rank 0 fills the cache; the others then read it
-                ranks.barrier()
             answers, stats["regen"] = regenerate_openai(
                 target, [it["ids"] for it in items], [it["prompt_messages"] for it in items],
                 url=regen_url, model=regen_model, concurrency=regen_concurrency,
                 retries=regen_retries, timeout=regen_timeout, request=regen_request,
                 **sampling, seed=seed, cache_dir=cache_dir, chat_template=template,
-                progress=progress and ranks.main,
+                max_failed_share=max_failed_share, progress=progress, ranks=ranks,
             )  # fmt: skip
-            if ranks.main:
-                ranks.barrier()
         else:
             choice = None  # one verdict for every rank: they must answer in the same dtype
             if ranks.main:
@@ -271,12 +268,15 @@ def prepare_data(
                 progress=progress,
                 ranks=ranks,
             )
-        for it, answer in zip(items, answers, strict=True):
+        kept = [(it, a) for it, a in zip(items, answers, strict=True) if a is not None]
+        stats["skipped_regen_refused"] = len(items) - len(kept)  # the server refused them
+        for it, answer in kept:
             # The target's own tokens, EOS included when it stopped; all of them trained.
             it["ids"], it["flags"] = (
                 it["ids"] + answer["ids"],
                 it["flags"] + [1] * len(answer["ids"]),
             )
+        items = [it for it, _ in kept]
 
     # The streams that are not regenerated: whole conversations, assistant turns trained.
     extra = []

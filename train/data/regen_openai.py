@@ -1,32 +1,38 @@
 """Regeneration through a serving engine: `data.regen_backend=openai`.
 
 The prompts go to an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang and
-llama.cpp all serve one) as chat messages, `data.regen_concurrency` requests in flight, each
-retried with exponential backoff on a connection error, a timeout, HTTP 429 or 5xx. Each
-answer's text is re-tokenised through the target's own chat template (the prompt plus an
-assistant turn holding the text, `train/data/chat.py: tokenize_conversation`), so its ids
-end with the template's end-of-turn token when the server stopped by itself, exactly as the
-hf backend's generated ids do; prepare_data builds the rows and loss masks from them the
-same way for both backends.
+llama.cpp all serve one) as chat messages, `data.regen_concurrency` requests in flight per
+rank (train/data/openai_server.py: the pre-flight check, retries, refusals). Each answer's
+text is re-tokenised through the target's own chat template (the prompt plus an assistant
+turn holding the text, `train/data/chat.py: tokenize_conversation`), so its ids end with the
+template's end-of-turn token when the server stopped by itself, exactly as the hf backend's
+generated ids do; prepare_data builds the rows and loss masks from them the same way for both
+backends.
 
-The cache is the hf backend's (`train/data/regenerate.py`: <root>/data/regen/<key>/
-responses.jsonl, one line per answered prompt, keyed by the prompt's token ids), written one
-line per finished answer (a crash loses only the requests in flight). Its settings key has
+Sharing and the cache are the hf backend's (train/data/regenerate.py): every rank of a run
+sends its own share of the prompts left (one prompt per group, longest first, dealt round
+the ranks) and appends each answer as it arrives to its own shard file of <root>/data/regen/
+<key>/ (a crash loses only the requests in flight; a rerun, under any world size, sends only
+the prompts no shard holds); then every rank reads every shard. The settings key has
 `backend: openai`, the served model's name and the extra request fields in place of the
-dtype, so an engine's answers are never mixed with the hf backend's. The server is contacted
-only when prompts are left to answer (a rerun over a full cache needs none), and then first
-of all: an unreachable server or an unknown model name is refused before any request.
+dtype, so an engine's answers are never mixed with the hf backend's. Sampled answers
+(temperature > 0) send each prompt its own seed, data.seed plus the prompt's hash (the key its
+answer is cached under), so the prompts draw independently, and a prompt's answer is the same
+whichever rank sends it, in whatever order or data set.
 
-Only the standard library speaks HTTP (urllib): no client package is needed.
+A prompt the server refuses (an HTTP 4xx, e.g. a prompt beyond its context) is recorded with
+the server's message in the rank's failures file (failures.jsonl, failures.rank<r>.jsonl) and
+not sent again by a rerun (delete those files to resend); its answer is None, so prepare_data
+keeps it out of the training rows; more than `max_failed_share` of the prompts refused fails
+the run. The server is contacted only when prompts are left (a rerun over a full cache needs
+none), and then first: an unreachable server, an unknown model name or too short a context
+is refused before any request.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -34,25 +40,26 @@ from tqdm.auto import tqdm
 
 from models.target import Target
 from train.data.chat import tokenize_conversation
+from train.data.openai_server import Refused, chat_completion, check_server
 from train.data.regenerate import (
     _ends_with_newline,
     _read_shard,
     _sha,
+    check_all_answered,
     default_cache_root,
+    merged_stats,
+    prompts_left,
+    rank_share,
+    read_answers,
     settings_key,
+    shard_file,
+    write_settings,
 )
-from train.run_files import write_atomic
+from train.ranks import Ranks
 
 BACKENDS = ("hf", "openai")
-START_A_SERVER = (
-    "start one that serves the target's weights, e.g. `python -m llama_cpp.server --model "
-    "FILE.gguf --port 8000` (llama-cpp-python[server]), `vllm serve HF_ID --port 8000` or "
-    "`python -m sglang.launch_server --model-path HF_ID --port 8000`, then set "
-    "data.regen_url=http://HOST:PORT/v1 and data.regen_model=<its name>; or regenerate in "
-    "this process with data.regen_backend=hf"
-)
-# Worth another try: the server is busy, restarting or overloaded. A 4xx is the request's fault.
-RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+# Summed over the ranks (train/data/regenerate.py: merged_stats).
+COUNTS = ("generated", "new_tokens", "server_tokens", "prompt_tokens_differ", "retries", "refused")
 
 
 def check_backend_settings(
@@ -64,8 +71,10 @@ def check_backend_settings(
     timeout: float,
     request: dict | None,
     chat_template: str | None,
+    max_failed_share: float = 0.01,
 ) -> None:
-    """The data.regen_* settings of a backend, before the target loads (no network)."""
+    """The data.regen_* settings of a backend, before the target loads (no network), and
+    data.max_failed_share."""
     if backend not in BACKENDS:
         raise ValueError(f"data.regen_backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend != "openai":
@@ -87,6 +96,11 @@ def check_backend_settings(
         raise ValueError(f"data.regen_timeout must be a number of seconds > 0, got {timeout!r}")
     if request is not None and not isinstance(request, dict):
         raise ValueError(f"data.regen_request must be a mapping of request fields, got {request!r}")
+    if not (isinstance(max_failed_share, int | float) and 0 <= max_failed_share <= 1):
+        raise ValueError(
+            f"data.max_failed_share must be a share of the prompts in [0, 1], got "
+            f"{max_failed_share!r}; e.g. 0.01 lets 1% of the prompts be refused by the server"
+        )
     if chat_template is not None:
         raise ValueError(
             f"data.chat_template={chat_template[:40]!r} with data.regen_backend=openai: the server "
@@ -94,95 +108,6 @@ def check_backend_settings(
             "other prompts than the training rows hold; use data.chat_template=null (the "
             "tokenizer's own) or data.regen_backend=hf"
         )
-
-
-# ---------------------------------------------------------------------------------
-# HTTP
-# ---------------------------------------------------------------------------------
-
-
-def _call(url: str, body: dict | None, timeout: float) -> dict:
-    """GET (body None) or POST a JSON body; the JSON answer."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def _reason(err: Exception) -> str:
-    if isinstance(err, urllib.error.HTTPError):
-        try:
-            detail = err.read().decode(errors="replace")[:300]
-        except OSError:
-            detail = ""
-        return f"HTTP {err.code} {err.reason}: {detail}".rstrip(": ")
-    if isinstance(err, urllib.error.URLError):
-        return str(err.reason)
-    return f"{type(err).__name__}: {err}"
-
-
-def _retryable(err: Exception) -> bool:
-    if isinstance(err, urllib.error.HTTPError):
-        return err.code in RETRY_STATUS
-    transient = (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException)
-    return isinstance(err, transient)
-
-
-def check_server(url: str, model: str, timeout: float = 10.0) -> list[str]:
-    """The models served at `url` (GET /models); refuse an unreachable server or `model`
-    missing from the list."""
-    base = url.rstrip("/")
-    try:
-        served = [m["id"] for m in _call(f"{base}/models", None, timeout)["data"]]
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-        hint = ""
-        if isinstance(err, urllib.error.HTTPError) and err.code == 404 and not base.endswith("/v1"):
-            hint = f" (the base URL usually ends in /v1: data.regen_url={base}/v1?)"
-        raise ValueError(
-            f"data.regen_url={url}: no OpenAI-compatible server answers there "
-            f"({_reason(err)}){hint}; {START_A_SERVER}"
-        ) from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(
-            f"data.regen_url={url}: GET {base}/models did not answer an OpenAI model list "
-            f"({type(err).__name__}: {err}); is it an OpenAI-compatible server?"
-        ) from None
-    if model not in served:
-        raise ValueError(
-            f"data.regen_model={model!r} is not served at {url}; it serves {served}: set "
-            "data.regen_model to the one that holds the target's weights"
-        )
-    return served
-
-
-def chat_completion(
-    url: str, body: dict, retries: int, timeout: float, backoff_s: float = 1.0
-) -> tuple[dict, int]:
-    """POST one chat request, retried `retries` times (waits backoff_s, 2x, 4x ... capped at
-    30 s) on errors worth another try; the answer and the retries it took."""
-    for attempt in range(retries + 1):
-        try:
-            return _call(f"{url.rstrip('/')}/chat/completions", body, timeout), attempt
-        except Exception as err:  # noqa: BLE001 - sorted below: retried or refused
-            if not _retryable(err):
-                raise RuntimeError(
-                    f"{url}: the server refused a chat request ({_reason(err)}); model "
-                    f"{body['model']!r}, {len(json.dumps(body['messages']))} characters of "
-                    "messages"
-                ) from None
-            if attempt == retries:
-                raise RuntimeError(
-                    f"{url}: a chat request failed {retries + 1} times ({_reason(err)}); raise "
-                    "data.regen_retries or data.regen_timeout, or lower data.regen_concurrency; "
-                    "a rerun resumes from the answers cached so far"
-                ) from None
-            time.sleep(min(30.0, backoff_s * 2**attempt))
-    raise AssertionError("unreachable")
-
-
-# ---------------------------------------------------------------------------------
-# Re-tokenising an answer
-# ---------------------------------------------------------------------------------
 
 
 def answer_ids(
@@ -220,7 +145,7 @@ def answer_ids(
 
 
 # ---------------------------------------------------------------------------------
-# The backend
+# The cache: settings, seeds, refusals
 # ---------------------------------------------------------------------------------
 
 
@@ -238,7 +163,127 @@ def openai_settings(
     by the backend, the served model's name and the extra request fields."""
     settings = settings_key(target, max_new_tokens, temperature, top_p, seed, chat_template)
     settings.pop("dtype")
+    if temperature > 0:  # one seed per prompt (request_seed); not the caches of one seed for all
+        settings["sampler"] = "seed+prompt-hash"
     return {**settings, "backend": "openai", "model": model, "request": request or {}}
+
+
+def request_seed(seed: int, key: str) -> int:
+    """The seed sent with a prompt's request: data.seed plus the prompt's hash (its cache
+    key), below 2**31 so every engine takes it (llama.cpp reads a 32-bit seed)."""
+    return (seed + int(key, 16)) % 2**31
+
+
+def failure_file(shard_dir: Path, rank: int) -> Path:
+    """The file rank `rank` records the prompts the server refused in."""
+    return shard_dir / ("failures.jsonl" if rank == 0 else f"failures.rank{rank}.jsonl")
+
+
+def read_failures(shard_dir: Path, answered: dict) -> dict[str, dict]:
+    """The refusals of every rank's failures file, keyed by prompt hash, less the prompts
+    that have an answer (sent again after their failures file was deleted)."""
+    failed: dict[str, dict] = {}
+    for path in sorted(shard_dir.glob("failures*.jsonl")):
+        for key, row in _read_shard(path).items():
+            if key not in answered:
+                failed.setdefault(key, row)
+    return failed
+
+
+def check_failed_share(
+    keys: list[str], failed: dict, max_failed_share: float, url: str, shard_dir: Path
+) -> int:
+    """The prompts of `keys` the server refused; refused when more than max_failed_share of
+    them."""
+    refused = [k for k in keys if k in failed]
+    if len(refused) > max_failed_share * len(keys):
+        first = "; ".join(f"{failed[k]['error']!r}" for k in dict.fromkeys(refused[:3]))
+        raise ValueError(
+            f"the server at {url} refused {len(refused)} of {len(keys)} prompts, more than "
+            f"data.max_failed_share={max_failed_share} allows; the first: {first}. Fix what it "
+            f"says (e.g. a longer context) and delete {shard_dir}/failures*.jsonl to send them "
+            "again, or raise data.max_failed_share to train without them"
+        )
+    return len(refused)
+
+
+# ---------------------------------------------------------------------------------
+# The backend
+# ---------------------------------------------------------------------------------
+
+
+def send_share(
+    target: Target, prompts: list[list[int]], messages: list[list[dict]], keys: list[str],
+    share: list[int], fields: dict, seeds: dict[int, int], out: Path, refusals: Path, *,
+    url: str, concurrency: int, retries: int, timeout: float, backoff_s: float,
+    max_new_tokens: int, chat_template: str | None, refusals_allowed: float, stats: dict,
+    progress: bool,
+) -> None:  # fmt: skip
+    """Send the prompts `share` (indices) with `concurrency` requests in flight, appending each
+    answer to `out` and each refusal to `refusals` as it arrives; counts into `stats`. Stops
+    sending once this rank's refusals pass `refusals_allowed` (the run is refused anyway)."""
+
+    def body(i: int) -> dict:
+        return {**fields, "messages": messages[i], **({"seed": seeds[i]} if i in seeds else {})}
+
+    bar = tqdm(total=len(share), desc="regenerate (openai)", unit="prompt", disable=not progress)
+    t0 = time.perf_counter()
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    left, pending = iter(share), {}
+    try:
+        with out.open("a") as answers, refusals.open("a") as failures:
+            for f, path in ((answers, out), (failures, refusals)):
+                if not _ends_with_newline(path):  # a crash left a partial last line: end it
+                    f.write("\n")
+            while True:
+                # A bounded window of requests (not all of them at once: 10^6 futures), kept
+                # full; no new request once the run is sure to be refused.
+                while len(pending) < 2 * concurrency and stats["refused"] <= refusals_allowed:
+                    i = next(left, None)
+                    if i is None:
+                        break
+                    pending[pool.submit(chat_completion, url, body(i), retries, timeout,
+                                        backoff_s)] = i  # fmt: skip
+                if not pending:
+                    break
+                # FIRST_COMPLETED: each answer reaches the file (and the bar) as it arrives.
+                finished_now, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished_now:
+                    i = pending.pop(future)
+                    err = future.exception()
+                    if isinstance(err, Refused):  # this prompt's fault: recorded, not retried
+                        row = {"prompt": keys[i], "status": err.status, "error": err.message}
+                        failures.write(json.dumps(row) + "\n")
+                        failures.flush()
+                        stats["refused"] += 1
+                    elif err is not None:  # failed for good (after its retries)
+                        raise err
+                    else:
+                        answer, tries = future.result()
+                        choice = answer["choices"][0]
+                        text = choice["message"].get("content") or ""
+                        ids, stopped = answer_ids(
+                            target, messages[i], prompts[i], text,
+                            choice.get("finish_reason") == "stop", max_new_tokens, chat_template,
+                        )  # fmt: skip
+                        row = {"prompt": keys[i], "ids": ids, "finished": stopped, "text": text}
+                        answers.write(json.dumps(row) + "\n")  # one line per answer: a crash
+                        answers.flush()  # loses only the requests in flight
+                        usage = answer.get("usage") or {}
+                        stats["server_tokens"] += usage.get("completion_tokens") or 0
+                        if usage.get("prompt_tokens") not in (None, len(prompts[i])):
+                            stats["prompt_tokens_differ"] += 1
+                        stats["retries"] += tries
+                        stats["generated"] += 1
+                        stats["new_tokens"] += len(ids)
+                    bar.update(1)
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix(tok_s=f"{stats['new_tokens'] / elapsed:.0f}")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # the requests in flight are lost
+        bar.close()
+    stats["seconds"] = round(time.perf_counter() - t0, 2)
+    stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
 
 
 def regenerate_openai(
@@ -258,13 +303,18 @@ def regenerate_openai(
     seed: int = 0,
     cache_dir: str | Path | None = None,
     chat_template: str | None = None,
+    max_failed_share: float = 0.01,
     progress: bool = True,
     backoff_s: float = 1.0,
-) -> tuple[list[dict], dict]:
+    ranks: Ranks | None = None,
+) -> tuple[list[dict | None], dict]:
     """Answer each prompt (`messages[i]`, whose rendering by the target's template is
     `prompts[i]`) through the server; the hf backend's return: one dict per prompt, in order
-    (`ids`, `finished`, `text`), and stats. `chat_template`: the template `prompts` were
-    rendered with (None = the tokenizer's)."""
+    (`ids`, `finished`, `text`), None for a prompt the server refused, and stats (`failed`:
+    the prompts refused, `failed_examples`: the first messages). `chat_template`: the template
+    `prompts` were rendered with (None = the tokenizer's). `ranks`: with several processes
+    every rank calls this with the same prompts and sends its share (module doc)."""
+    ranks = ranks or Ranks()
     if len(prompts) != len(messages):
         raise ValueError(f"{len(prompts)} prompts but {len(messages)} message lists")
     if max_new_tokens < 1:
@@ -276,93 +326,68 @@ def regenerate_openai(
     )
     root = Path(cache_dir) if cache_dir else default_cache_root()
     shard_dir = root / "data" / "regen" / _sha(settings)
-    shard = shard_dir / "responses.jsonl"
     keys = [_sha(p) for p in prompts]
-    done = _read_shard(shard)
-    todo = sorted(
-        {k: i for i, k in enumerate(keys) if k not in done}.values(), key=lambda i: -len(prompts[i])
-    )  # the longest first: no long request left alone at the end
+    done = read_answers(shard_dir)
+    failed = read_failures(shard_dir, done)
+    cached_failed = check_failed_share(keys, failed, max_failed_share, url, shard_dir)
+    todo = prompts_left(keys, [len(p) for p in prompts], done | failed)
     stats = {
-        "backend": "openai",
-        "model": model,
-        "url": url,
-        "prompts": len(prompts),
-        "cached": len(prompts) - len(todo),
-        "generated": 0,
-        "new_tokens": 0,
+        "backend": "openai", "model": model, "url": url, "prompts": len(prompts),
+        "cached": len(prompts) - len(todo), "generated": 0, "new_tokens": 0,
         "server_tokens": 0,  # completion_tokens as the server counted them
         "prompt_tokens_differ": 0,  # the server's prompt was not ours, token for token
-        "retries": 0,
-        "seconds": 0.0,
-        "tokens_per_s": None,
-        "cache": str(shard),
-    }
-    if not todo:
-        return [done[k] for k in keys], stats
-    check_server(url, model, min(timeout, 10.0))  # before any request
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(shard_dir / "settings.json", json.dumps(settings, indent=1))
-    sampling = {"temperature": temperature}
-    if temperature > 0:
-        sampling |= {"top_p": top_p, "seed": seed}
-
-    def body(i: int) -> dict:
-        return {
-            "model": model,
-            "messages": messages[i],
-            "max_tokens": max_new_tokens,
-            **sampling,
-            **(request or {}),
-        }
-
-    bar = tqdm(total=len(todo), desc="regenerate (openai)", unit="prompt", disable=not progress)
-    t0 = time.perf_counter()
-    pool = ThreadPoolExecutor(max_workers=concurrency)
-    try:
-        with shard.open("a") as out:
-            if not _ends_with_newline(shard):  # a crash left a partial last line: end it
-                out.write("\n")
-            pending = {
-                pool.submit(chat_completion, url, body(i), retries, timeout, backoff_s): i
-                for i in todo
-            }
-            while pending:
-                # FIRST_COMPLETED, not FIRST_EXCEPTION: the latter waits for every request
-                # unless one fails, so no answer reached the file (or the bar) before the last.
-                finished_now, _ = wait(pending, return_when=FIRST_COMPLETED)
-                failed = [f for f in finished_now if f.exception() is not None]
-                for future in finished_now:  # the answers first, then the failure
-                    i = pending.pop(future)
-                    if future in failed:
-                        continue
-                    answer, tries = future.result()
-                    choice = answer["choices"][0]
-                    text = choice["message"].get("content") or ""
-                    ids, stopped = answer_ids(
-                        target, messages[i], prompts[i], text,
-                        choice.get("finish_reason") == "stop", max_new_tokens, chat_template,
-                    )  # fmt: skip
-                    row = {"prompt": keys[i], "ids": ids, "finished": stopped, "text": text}
-                    done[keys[i]] = row
-                    out.write(json.dumps(row) + "\n")  # one line per answer: a crash loses
-                    out.flush()  # only the requests in flight
-                    usage = answer.get("usage") or {}
-                    stats["server_tokens"] += usage.get("completion_tokens") or 0
-                    if usage.get("prompt_tokens") not in (None, len(prompts[i])):
-                        stats["prompt_tokens_differ"] += 1
-                    stats["retries"] += tries
-                    stats["generated"] += 1
-                    stats["new_tokens"] += len(ids)
-                    bar.update(1)
-                bar.set_postfix(tok_s=f"{stats['new_tokens'] / (time.perf_counter() - t0):.0f}")
-                if failed:  # a request that failed for good (after its retries)
-                    raise failed[0].exception()
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)  # the requests in flight are lost
-        bar.close()
-    stats["seconds"] = round(time.perf_counter() - t0, 2)
-    stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
-    if stats["prompt_tokens_differ"]:
+        "retries": 0, "refused": 0, "failed": cached_failed, "failed_examples": [],
+        "context_length": None, "seconds": 0.0, "tokens_per_s": None,
+        "cache": str(shard_file(shard_dir, 0)),
+    }  # fmt: skip
+    if todo:
+        # Every rank checks the server, and all learn any rank's refusal: a rank that raised
+        # alone would leave the others waiting at the next collective.
+        longest, error = max(len(prompts[i]) for i in todo), None
+        try:
+            server = check_server(url, model, longest, max_new_tokens, min(timeout, 10.0))
+            stats["context_length"] = server["context_length"]
+        except ValueError as err:
+            error = str(err)
+        if errors := [e for e in ranks.gather(error) if e]:
+            raise ValueError(errors[0])
+        write_settings(shard_dir, settings, ranks)
+        fields = {"model": model, "max_tokens": max_new_tokens, "temperature": temperature}
+        fields |= {"top_p": top_p} if temperature > 0 else {}
+        share = rank_share(todo, 1, ranks)
+        seeds = {i: request_seed(seed, keys[i]) for i in share} if temperature > 0 else {}
+        try:
+            send_share(
+                target, prompts, messages, keys, share, {**fields, **(request or {})}, seeds,
+                shard_file(shard_dir, ranks.rank), failure_file(shard_dir, ranks.rank),
+                url=url, concurrency=concurrency, retries=retries, timeout=timeout,
+                backoff_s=backoff_s, max_new_tokens=max_new_tokens, chat_template=chat_template,
+                refusals_allowed=max_failed_share * len(keys) - cached_failed, stats=stats,
+                progress=progress and ranks.main,
+            )  # fmt: skip
+            error = None
+        except Exception as err:  # noqa: BLE001 - every rank learns of it (below)
+            if ranks.world == 1:
+                raise
+            error = f"rank {ranks.rank}: {err}"
+        per_rank = ranks.gather((stats, error))  # waits for every rank's share
+        if errors := [e for _, e in per_rank if e]:
+            raise RuntimeError(errors[0])
+        stats = merged_stats([s for s, _ in per_rank], COUNTS)
+        done = read_answers(shard_dir)
+        failed = read_failures(shard_dir, done)
+        stats["failed"] = check_failed_share(keys, failed, max_failed_share, url, shard_dir)
+    check_all_answered(keys, done | failed, shard_dir)
+    refused = [k for k in dict.fromkeys(keys) if k in failed]
+    stats["failed_examples"] = [failed[k]["error"] for k in refused[:3]]
+    if stats["failed"] and progress and ranks.main:
+        print(
+            f"[draftlab] regeneration: the server refused {stats['failed']} of {len(keys)} "
+            f"prompts (kept out of the training rows; data.max_failed_share={max_failed_share}"
+            f"), e.g. {stats['failed_examples'][0]!r}",
+            flush=True,
+        )
+    if stats["prompt_tokens_differ"] and ranks.main:
         print(
             f"[draftlab] regeneration: for {stats['prompt_tokens_differ']} of "
             f"{stats['generated']} prompts the server counted another number of prompt tokens "
@@ -370,4 +395,4 @@ def regenerate_openai(
             "its answers are then to other prompts than the training rows hold",
             flush=True,
         )
-    return [done[k] for k in keys], stats
+    return [done.get(k) for k in keys], stats

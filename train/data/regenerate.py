@@ -139,21 +139,55 @@ def read_answers(shard_dir: Path) -> dict[str, dict]:
     return done
 
 
-def merged_stats(per_rank: list[dict]) -> dict:
-    """One regeneration's stats from every rank's: counts summed, seconds the slowest
+def merged_stats(
+    per_rank: list[dict], counts: tuple[str, ...] = ("generated", "new_tokens")
+) -> dict:
+    """One regeneration's stats from every rank's: `counts` summed, seconds the slowest
     rank's (the ranks ran at once), `by_rank` the prompts each rank answered."""
     if len(per_rank) == 1:
         return per_rank[0]
-    new_tokens = sum(s["new_tokens"] for s in per_rank)
+    merged = {**per_rank[0], **{k: sum(s[k] for s in per_rank) for k in counts}}
     seconds = max(s["seconds"] for s in per_rank)
     return {
-        **per_rank[0],
-        "generated": sum(s["generated"] for s in per_rank),
-        "new_tokens": new_tokens,
+        **merged,
         "seconds": seconds,
-        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+        "tokens_per_s": round(merged["new_tokens"] / seconds, 1) if seconds > 0 else None,
         "by_rank": [s["generated"] for s in per_rank],
     }
+
+
+def prompts_left(keys: list[str], lengths: list[int], done: dict) -> list[int]:
+    """The indices of the prompts with no answer in `done`, each prompt once, longest first
+    (the hf backend prefills prompts of similar lengths together; a server gets no long
+    request left alone at the end)."""
+    todo = {k: i for i, k in enumerate(keys) if k not in done}.values()
+    return sorted(todo, key=lambda i: -lengths[i])
+
+
+def rank_share(todo: list[int], group: int, ranks: Ranks) -> list[int]:
+    """This rank's prompts of `todo`: cut into groups of `group` as one process would, group
+    g going to rank g mod world (the same split in every rank, from the same `todo`)."""
+    groups = [todo[start : start + group] for start in range(0, len(todo), group)]
+    return [i for g, batch in enumerate(groups) if g % ranks.world == ranks.rank for i in batch]
+
+
+def write_settings(shard_dir: Path, settings: dict, ranks: Ranks) -> None:
+    """The main rank creates the cache directory with its settings.json; every rank returns
+    once it exists."""
+    if ranks.main:
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(shard_dir / "settings.json", json.dumps(settings, indent=1))
+    ranks.barrier()
+
+
+def check_all_answered(keys: list[str], done: dict, shard_dir: Path) -> None:
+    """Every prompt is in `done` (its answer; with a server, its answer or its refusal)."""
+    missing = sum(k not in done for k in keys)
+    if missing:
+        raise RuntimeError(
+            f"{missing} of {len(keys)} prompts have no answer in {shard_dir} after every rank "
+            "answered its share: another job writing the same cache? Run again to answer them"
+        )
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -199,19 +233,14 @@ def regenerate(
     shard_dir = root / "data" / "regen" / _sha(settings)
     if ranks.main:
         _adopt_legacy(root / "data" / "regen", settings, shard_dir)
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(shard_dir / "settings.json", json.dumps(settings, indent=1))
-    ranks.barrier()  # the directory exists
+    write_settings(shard_dir, settings, ranks)
     shard = shard_file(shard_dir, ranks.rank)
 
     keys = [_sha(p) for p in prompts]
     done = read_answers(shard_dir)
     ranks.barrier()  # every rank has read the same answers before any rank appends more
-    todo = sorted(
-        {k: i for i, k in enumerate(keys) if k not in done}.values(), key=lambda i: -len(prompts[i])
-    )  # longest first: the prompts prefilled together are of similar lengths
-    batches = [todo[start : start + batch_size] for start in range(0, len(todo), batch_size)]
-    mine = [batch for b, batch in enumerate(batches) if b % ranks.world == ranks.rank]
+    todo = prompts_left(keys, [len(p) for p in prompts], done)
+    share = rank_share(todo, batch_size, ranks)  # this rank's batches, longest first
     stats = {
         "prompts": len(prompts),
         "cached": len(prompts) - len(todo),
@@ -221,7 +250,7 @@ def regenerate(
         "tokens_per_s": None,
         "cache": str(shard),
     }
-    if mine:
+    if share:
         answering = target  # in the generation dtype: the faster one on this machine (auto)
         gen_dtype = resolve_dtype(dtype)
         if target.dtype != gen_dtype:  # float32 rotary (models/dtypes.py)
@@ -230,7 +259,6 @@ def regenerate(
         eos = set(target.eos_token_ids)
         pad_id = target.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else target.eos_token_ids[0]
-        share = [i for batch in mine for i in batch]  # this rank's prompts, longest first
         bar = tqdm(total=len(share), desc="regenerate", unit="prompt",
                    disable=not (progress and ranks.main))  # fmt: skip
         t0 = time.perf_counter()
@@ -269,10 +297,5 @@ def regenerate(
     if ranks.world > 1:  # gathering waits for every rank's shard: then read them all
         stats = merged_stats(ranks.gather(stats))
         done = read_answers(shard_dir)
-    missing = sum(k not in done for k in keys)
-    if missing:
-        raise RuntimeError(
-            f"{missing} of {len(keys)} prompts have no answer in {shard_dir} after every rank "
-            "answered its share: another job writing the same cache? Run again to answer them"
-        )
+    check_all_answered(keys, done, shard_dir)
     return [done[k] for k in keys], stats
