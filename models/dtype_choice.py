@@ -12,6 +12,11 @@ A choice is keyed by the machine (CPU model, ATen's CPU capability, the oneDNN I
 torch version, the thread count), the use and its shapes, and cached as one JSON file per
 key under `<cache>/dtype/`, so later runs on the same machine reuse it without measuring.
 On CUDA the answer is bfloat16 without measuring. An explicit dtype is never replaced.
+
+The target's own dtype (`target.dtype: auto`) is chosen before its weights are read, so it
+loads straight into the dtype it runs in (a float32 load cast afterwards peaked at 3x the
+bf16 weights' bytes): `choose_target_dtype` times a slice of the target built from its
+config alone (`target_slice`).
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 
 CANDIDATES = ("float32", "bfloat16")
+PROBE_TOKENS = 256  # tokens of the target's probe forward (a training row's scale of GEMM)
 
 
 @dataclass
@@ -163,3 +171,73 @@ def time_forward(
         times.append(time.perf_counter() - t0)
         cache.crop(-new_tokens)  # back to `cached` entries
     return statistics.median(times[1:])
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median wall time of `fn` over `repeats` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def target_slice(config: PretrainedConfig) -> nn.Module:
+    """A float32 model of the target's architecture and widths, randomly initialised, with
+    one decoder layer per layer type, each called where the target has a layer of its type.
+    A forward through it does the target's whole forward's work (every layer's matmuls,
+    the full-vocabulary head) while holding the weights of one or two layers and one [V, H]
+    table (the head tied to the embedding): timing it needs no weights read. The global
+    RNG is left as it was (a run's seed is set before)."""
+    types = list(getattr(config, "layer_types", None) or [])
+    kinds = list(dict.fromkeys(types)) or [None]
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = len(kinds)
+    small.tie_word_embeddings = True  # the head's matmul costs the same; its memory halves
+    if types:
+        small.layer_types = kinds
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(small, dtype=torch.float32)
+    built = model.model.layers
+    order = [kinds.index(t) for t in types] if types else [0] * config.num_hidden_layers
+    model.model.layers = nn.ModuleList([built[i] for i in order])  # shared modules
+    for cfg in {
+        id(model.config): model.config,
+        id(model.model.config): model.model.config,
+    }.values():
+        cfg.num_hidden_layers = config.num_hidden_layers  # the forward runs every entry
+        if types:
+            cfg.layer_types = types
+    return model.eval().requires_grad_(False)
+
+
+def choose_target_dtype(
+    setting: str,
+    config: PretrainedConfig,
+    name: str,
+    device: torch.device,
+    tokens: int = PROBE_TOKENS,
+    cache_dir: str | Path | None = None,
+    timer: Callable[[Callable[[], object]], float] = median_seconds,
+) -> DtypeChoice:
+    """The target's training dtype before its weights are loaded: `setting` unless "auto";
+    on CUDA bfloat16; on a CPU the faster of float32 and bfloat16 for one training forward
+    (no grad, logits over `tokens` positions), timed by `timer` on `target_slice(config)`,
+    or this machine's earlier verdict for the same target and shapes."""
+    positions = getattr(config, "max_position_embeddings", None) or tokens
+    tokens = max(1, min(int(tokens), int(positions)))
+    shapes = {"target": name, "rows": 1, "tokens": tokens, "probe": "slice"}
+
+    def measure(dtype: torch.dtype) -> float:
+        # One slice alive at a time, cast in place: the choice's memory stays below the
+        # load's (a cached or explicit choice builds none)
+        model = cast_keep_rotary(target_slice(config), dtype)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, config.vocab_size, (1, tokens), generator=g)
+        with torch.no_grad():
+            return timer(lambda: model(input_ids=ids, use_cache=False))
+
+    return choose_dtype("train_target", setting, shapes, measure, device, cache_dir)

@@ -38,13 +38,20 @@ class TargetOutput:
 class Target:
     """A frozen causal LM. `forward` gives logits, chosen hidden layers and a KV cache."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, name: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None,
+        name: str,
+        check_head: bool = True,  # False: a model on the meta device (train/memory_plan.py)
+    ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name  # a stable id, shown in records and cache keys
         self.config = model.config
         self._fingerprint: str | None = None
-        self._check_head()
+        if check_head:
+            self._check_head()
 
     @property
     def fingerprint(self) -> str:

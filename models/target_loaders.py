@@ -28,11 +28,13 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedTokenizerBase,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 
+from models.dtype_choice import choose_target_dtype
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from models.tiny_tokenizer import build_char_tokenizer
@@ -71,14 +73,21 @@ def _load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_dtype(dtype: str) -> torch.dtype:
-    """The dtype to load in: "auto" loads float32, and the user picks the dtype it runs in
-    (the training loop times both: train/machine.py; decoding has decode.dtype)."""
-    return resolve_dtype("float32" if dtype == "auto" else dtype)
+def load_dtype(
+    dtype: str, config: PretrainedConfig, name: str, device: torch.device
+) -> torch.dtype:
+    """The dtype the weights are loaded in, which is the dtype the target runs in: `dtype`
+    itself, or for "auto" the choice made before the load (models/dtype_choice.py: on CUDA
+    bfloat16, on a CPU timed on a slice of the target built from its config). Loading in
+    float32 and casting afterwards held the float32 copy at the peak (3x the bf16 bytes)."""
+    if dtype != "auto":
+        return resolve_dtype(dtype)
+    return resolve_dtype(choose_target_dtype("auto", config, name, device).dtype)
 
 
-def load_hf_target(path: str, dtype: str = "float32", device: str = "auto") -> Target:
-    """Any HF causal LM from a hub id or a local directory, frozen."""
+def hf_target_config(path: str) -> tuple[PretrainedConfig, str]:
+    """The config and name of the target at `path` (a hub id or a local directory), with
+    no weights read; clear errors for a path that holds no model."""
     local = Path(path).expanduser()
     looks_local = path.startswith((".", "/", "~")) or local.exists()
     if looks_local and not (local / "config.json").is_file():
@@ -89,16 +98,28 @@ def load_hf_target(path: str, dtype: str = "float32", device: str = "auto") -> T
             "(which needs network access or a populated HF cache)."
         )
     try:
-        AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except OSError as err:
         raise FileNotFoundError(
             f"target.path={path!r} could not be resolved ({err}). With no network, use a local "
             "directory, or `target=smollm2_135m` for the embedded default."
         ) from err
+    return config, str(local.resolve()) if looks_local else path
+
+
+def load_hf_target(path: str, dtype: str = "float32", device: str = "auto") -> Target:
+    """Any HF causal LM from a hub id or a local directory, frozen, loaded straight into
+    its dtype on its device (no float32 copy on the host first)."""
+    config, name = hf_target_config(path)
     tokenizer = _load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype(dtype))
-    model.to(resolve_device(device))
-    name = str(local.resolve()) if looks_local else path
+    place = resolve_device(device)
+    # On a CPU no device_map: the weights stay mapped from the file either way, and a map
+    # marks the model "offloaded" (save_pretrained then warns).
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=load_dtype(dtype, config, name, place),
+        device_map=None if place.type == "cpu" else str(place),
+    )
     return Target(model, tokenizer, name=name)
 
 
@@ -164,6 +185,79 @@ def load_smollm2(
 
 
 TINY_ARCHS = ("llama", "qwen3", "gemma2", "gemma3")
+TINY_MODELS = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
+
+
+def tiny_random_config(
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    arch: str = "llama",
+    sliding_window: int = 16,
+    tie_word_embeddings: bool | None = None,
+    chat_template: bool = True,
+) -> PretrainedConfig:
+    """The config `build_tiny_random` builds its model from (arguments as there)."""
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny_random arch {arch!r}; use one of {TINY_ARCHS}")
+    tokenizer = build_char_tokenizer(vocab_size, chat_template)
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": arch != "qwen3"
+        if tie_word_embeddings is None
+        else tie_word_embeddings,
+    }
+    head_dim = hidden_size // num_heads
+    gemma = {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": sliding_window,
+        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
+        "final_logit_softcapping": 10.0,
+    }
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=head_dim)
+    if arch == "gemma2":
+        return Gemma2Config(**common, **gemma)
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+    }
+    return Gemma3TextConfig(**common, **gemma, rope_parameters=rope)
+
+
+def tiny_random_name(
+    seed: int, config: PretrainedConfig, arch: str, sliding_window: int, chat_template: bool
+) -> str:
+    """The tiny target's name; it keys the regeneration cache, so every setting that
+    changes the model is in it."""
+    tied = config.tie_word_embeddings
+    name = f"tiny_random-s{seed}-v{config.vocab_size}-h{config.hidden_size}"
+    name += f"-l{config.num_hidden_layers}"
+    name += "" if arch == "llama" else f"-{arch}"
+    name += "" if tied == (arch != "qwen3") else f"-tied{int(tied)}"
+    name += f"-w{sliding_window}" if arch in ("gemma2", "gemma3") else ""
+    return name + ("" if chat_template else "-base")
 
 
 def build_tiny_random(
@@ -190,56 +284,45 @@ def build_tiny_random(
     embeddings) and `gemma3` (the same plus rope per layer type, the global layers' rope
     linearly scaled, as Gemma 3 4B+; logit soft-capping switched on, which Gemma 3 supports).
     Layers alternate sliding / full attention, the first one sliding."""
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny_random arch {arch!r}; use one of {TINY_ARCHS}")
+    config = tiny_random_config(
+        vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+        max_position_embeddings, arch, sliding_window, tie_word_embeddings, chat_template,
+    )  # fmt: skip
     tokenizer = build_char_tokenizer(vocab_size, chat_template)
+    name = tiny_random_name(seed, config, arch, sliding_window, chat_template)
     torch.manual_seed(seed)
-    common = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    head_dim = hidden_size // num_heads
-    gemma = {
-        "head_dim": head_dim,
-        "query_pre_attn_scalar": head_dim,
-        "sliding_window": sliding_window,
-        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
-        "final_logit_softcapping": 10.0,
-    }
-    if tie_word_embeddings is None:
-        tie_word_embeddings = arch != "qwen3"
-    common["tie_word_embeddings"] = tie_word_embeddings
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=head_dim))
-    elif arch == "gemma2":
-        model = Gemma2ForCausalLM(Gemma2Config(**common, **gemma))
-    else:
-        rope = {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
-        }
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, **gemma, rope_parameters=rope))
+    model = TINY_MODELS[arch](config)
     # Random init is nearly uniform; sharpen the head so greedy/sampling tests are meaningful.
     # (A tied x8 head mostly copies the last token: untie for context-dependent output.)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(8.0)
-        if not tie_word_embeddings:
+        if not config.tie_word_embeddings:
             model.get_output_embeddings().weight.mul_(8.0)
-    cast_keep_rotary(model.to(resolve_device(device)), load_dtype(dtype))
-    # The name keys the regeneration cache: every setting that changes the model is in it.
-    name = f"tiny_random-s{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}"
-    name += "" if arch == "llama" else f"-{arch}"
-    name += "" if tie_word_embeddings == (arch != "qwen3") else f"-tied{int(tie_word_embeddings)}"
-    name += f"-w{sliding_window}" if arch in ("gemma2", "gemma3") else ""
-    name += "" if chat_template else "-base"
+    place = resolve_device(device)
+    cast_keep_rotary(model.to(place), load_dtype(dtype, config, name, place))
     return Target(model, tokenizer, name=name)
+
+
+def target_config(node: dict) -> tuple[PretrainedConfig, str]:
+    """The config and name of the target a conf/target node (`_target_` and its arguments)
+    loads, with no weights read: what the dtype choice and the memory plan work from. The
+    embedded target is converted into its cache directory first if it is not there yet."""
+    loader = str(node.get("_target_", "")).rsplit(".", 1)[-1]
+    args = {k: v for k, v in node.items() if k not in ("_target_", "dtype", "device")}
+    if loader == "load_hf_target":
+        return hf_target_config(str(args["path"]))
+    if loader == "load_smollm2":
+        cache = args.get("cache_dir")
+        path = convert_smollm2(Path(cache) if cache else DEFAULT_CACHE_DIR)
+        return AutoConfig.from_pretrained(path), SMOLLM2_NAME
+    if loader == "build_tiny_random":
+        seed = int(args.pop("seed", 0))
+        config = tiny_random_config(**args)
+        arch, window = args.get("arch", "llama"), int(args.get("sliding_window", 16))
+        name = tiny_random_name(seed, config, arch, window, bool(args.get("chat_template", True)))
+        return config, name
+    raise ValueError(
+        f"target loader {node.get('_target_')!r} is not one of load_hf_target, load_smollm2, "
+        "build_tiny_random (models/target_loaders.py): its config cannot be read before "
+        "its weights are loaded"
+    )

@@ -1,10 +1,17 @@
 """The frozen target wrapper: local HF directories, clear errors, the embedded default."""
 
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from models.dtype_choice import choose_target_dtype
 from models.target import Target
-from models.target_loaders import build_tiny_random, load_hf_target
+from models.target_loaders import build_tiny_random, hf_target_config, load_hf_target
+from models.tiny_tokenizer import build_char_tokenizer
 
 
 def test_forward_matches_hf_and_returns_requested_layers(tiny_target: Target):
@@ -109,3 +116,64 @@ def test_embedded_smollm2_loads_offline_from_cache_and_generates(tmp_path, monke
     out = target.model.generate(**enc, max_new_tokens=12, do_sample=False)
     text = target.tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in text
+
+
+# Peak RSS from /proc/self/status VmHWM, the peak of this process's own memory map: its
+# ru_maxrss would not do, since Linux carries the parent's peak over exec (pytest, holding
+# the model just written, is larger than the whole load).
+MEASURE_LOAD = """
+import sys
+import torch, transformers  # the baseline includes the imports a run has anyway
+from models.target_loaders import load_hf_target
+torch.set_num_threads(int(sys.argv[3]))  # the parent's: the dtype verdict is keyed by it
+def peak() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+base = peak()
+target = load_hf_target(sys.argv[1], dtype=sys.argv[2], device="cpu")
+print(peak() - base, str(target.dtype).removeprefix("torch."))
+"""
+
+
+def test_a_bf16_target_loads_in_bf16_without_a_float32_copy(tmp_path, monkeypatch):
+    """Peak host RSS of loading a bf16 checkpoint stays near its bytes, explicit or auto (the
+    verdict bf16 cached, as on a machine that measured it). Loading float32 and casting
+    afterwards peaked at 3x the bf16 bytes."""
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=768, num_hidden_layers=10, num_attention_heads=12,
+        num_key_value_heads=4, intermediate_size=2048, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):  # ~120M parameters, filled without a float32 copy
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    path = tmp_path / "llama-bf16"
+    try:
+        model.save_pretrained(path)
+        build_char_tokenizer(128).save_pretrained(path)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        del model
+        cache = tmp_path / "cache"
+        config, name = hf_target_config(str(path))
+        seconds = iter([2.0, 1.0])  # float32 is timed first, then bfloat16 (CANDIDATES)
+        got = choose_target_dtype("auto", config, name, torch.device("cpu"), cache_dir=cache,
+                                  timer=lambda fn: next(seconds))  # fmt: skip
+        assert got.dtype == "bfloat16"
+        monkeypatch.setenv("DRAFTLAB_CACHE", str(cache))
+        for dtype in ("bfloat16", "auto"):
+            done = subprocess.run(
+                [sys.executable, "-c", MEASURE_LOAD, str(path), dtype, str(torch.get_num_threads())],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            grown, loaded = done.stdout.split()[-2:]
+            assert loaded == "bfloat16"
+            # 48 MB: loading a 64-wide tiny target costs ~26 MB above the same baseline (the
+            # tokenizer, transformers' loading machinery, allocator arenas), a cost that does
+            # not grow with the model; twice that covers its run-to-run spread.
+            assert int(grown) <= 1.25 * weights + 48e6, (dtype, int(grown) / weights)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # 240 MB

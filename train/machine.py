@@ -6,7 +6,8 @@ Why measure: on a CPU without native bf16 kernels (AVX2 only) a bf16 training st
 about 15x its float32 step, while on a CPU with avx512_bf16 the bf16 target and autocast were
 the faster recipe (docs/portable.md). A step's shapes are many-row forwards, where the two
 kinds of CPU differ most, so the probe is one row of up to 256 tokens: a GEMM as large in M
-as the step's, at a fraction of its cost.
+as the step's, at a fraction of its cost. The target's dtype is chosen before it loads (it
+loads straight into it, docs/memory.md), so its probe runs on a slice built from its config.
 
 Threads: every process of a job takes an equal share of the cores this process may run on
 (torch's default is all physical cores per process: two ranks on two cores then run four
@@ -23,15 +24,15 @@ from collections.abc import Callable
 
 import torch
 from omegaconf import DictConfig
+from transformers import PretrainedConfig
 
-from models.dtype_choice import DtypeChoice, choose_dtype
-from models.dtypes import cast_keep_rotary, resolve_dtype
+from models.dtype_choice import PROBE_TOKENS, DtypeChoice, choose_dtype
+from models.dtype_choice import choose_target_dtype as slice_dtype
+from models.dtypes import resolve_dtype
 from models.protocol import DraftModel
 from models.target import Target
 from train.ranks import Ranks
 from train.step import StepSetup, StepStats, offset_losses, target_output
-
-PROBE_TOKENS = 256  # tokens of the probe row (or the row's length, if shorter)
 
 
 def share_threads(local_processes: int, device: torch.device) -> dict:
@@ -68,23 +69,15 @@ def probe_batch(row: dict, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def choose_target_dtype(
-    setting: str, target: Target, row: dict, cache_dir: str | None
-) -> DtypeChoice:
+    setting: str, config: PretrainedConfig, name: str, device: torch.device,
+    tokens: int = PROBE_TOKENS, cache_dir: str | None = None,
+) -> DtypeChoice:  # fmt: skip
     """target.dtype: as set, or with "auto" the faster of float32 and bfloat16 for the
-    training forward (no grad) on a copy of the target. Taps cost little beside the layers'
-    matmuls, and the draft that names them is built after the target has its dtype."""
-    batch = probe_batch(row, target.device)
-    shapes = {"target": target.name, "rows": 1, "tokens": batch["input_ids"].shape[1]}
-
-    def measure(dtype: torch.dtype) -> float:
-        probe = target
-        if target.dtype != dtype:
-            model = cast_keep_rotary(copy.deepcopy(target.model), dtype)
-            probe = Target(model, target.tokenizer, name=target.name)
-        with torch.no_grad():
-            return median_seconds(lambda: probe(batch["input_ids"], use_cache=False))
-
-    return choose_dtype("train_target", setting, shapes, measure, target.device, cache_dir)
+    training forward (no grad, one row of `tokens`), timed before the weights are loaded on
+    a slice of the target built from its config (models/dtype_choice.py: target_slice), so
+    the target loads straight into its dtype. Taps cost little beside the layers' matmuls."""
+    timer = median_seconds  # looked up at each call: the tests replace the timer
+    return slice_dtype(setting, config, name, device, tokens, cache_dir, timer)
 
 
 def choose_autocast(
@@ -129,22 +122,31 @@ def choose_autocast(
     return ranks.broadcast(choice)
 
 
+def target_dtype(
+    cfg: DictConfig, config: PretrainedConfig, name: str, device: torch.device,
+    tokens: int = PROBE_TOKENS, resumed_dtype: str | None = None, ranks: Ranks | None = None,
+) -> DtypeChoice:  # fmt: skip
+    """The target's training dtype, chosen before it loads (target.dtype; "auto": measured,
+    or on a resume the dtype the run's checkpoint ran in). With several processes rank 0
+    measures and every rank takes its verdict."""
+    setting, ranks = str(cfg.target.dtype), ranks or Ranks()
+    if setting == "auto" and resumed_dtype is not None:
+        return DtypeChoice("train_target", resumed_dtype, "resumed")
+    cache_dir = cfg.data.get("cache_dir")
+    if setting != "auto":
+        return choose_target_dtype(setting, config, name, device, tokens, cache_dir)
+    choice = choose_target_dtype(setting, config, name, device, tokens, cache_dir) if ranks.main else None  # fmt: skip
+    return ranks.broadcast(choice)
+
+
 def set_target_dtype(
     cfg: DictConfig, target: Target, row: dict, resumed_dtype: str | None = None,
     ranks: Ranks | None = None,
 ) -> DtypeChoice:  # fmt: skip
-    """The target's training dtype (target.dtype; "auto": measured, or on a resume the dtype
-    the run's checkpoint ran in), the target cast to it in place. With several processes
-    rank 0 measures and every rank takes its verdict."""
-    setting, ranks = str(cfg.target.dtype), ranks or Ranks()
-    if setting == "auto" and resumed_dtype is not None:
-        choice = DtypeChoice("train_target", resumed_dtype, "resumed")
-    elif setting != "auto" or ranks.main:
-        choice = choose_target_dtype(setting, target, row, cfg.data.get("cache_dir"))
-    else:
-        choice = None  # rank 0's verdict, below
-    if setting == "auto" and resumed_dtype is None:
-        choice = ranks.broadcast(choice)
+    """`target_dtype` for a target already loaded (its probe as long as `row`, at most
+    PROBE_TOKENS), the target cast to it in place. A run chooses before loading instead."""
+    tokens = min(PROBE_TOKENS, len(row["input_ids"]))
+    choice = target_dtype(cfg, target.config, target.name, target.device, tokens, resumed_dtype, ranks)  # fmt: skip
     if target.dtype != resolve_dtype(choice.dtype):
         target.to(dtype=resolve_dtype(choice.dtype))
     return choice

@@ -1,11 +1,13 @@
 """What `run` (train/loop.py) builds before its first step: the accelerator, the target and
-draft from their configs (`instantiate`, `build_draft`), the preflight forward that checks
-the draft against the target, the feature cache, the held-out proxy's rows and the replay."""
+draft from their configs (`load_target` with its dtype and memory plan, `build_draft`), the
+preflight forward that checks the draft against the target, the feature cache, the held-out
+proxy's rows and the replay."""
 
 from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import hydra.utils
 import torch
@@ -14,19 +16,25 @@ from accelerate.utils import InitProcessGroupKwargs
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from models.dtype_choice import DtypeChoice
 from models.protocol import DraftModel
 from models.target import Target
+from models.target_loaders import target_config
 from train.data.chat import resolve_chat_template
 from train.data.prepare import PreparedData
 from train.feature_cache import FeatureCache, build_feature_cache
 from train.formats.init_from import init_draft_from
 from train.heldout import HeldOut, heldout_rows
+from train.identity import read_identity
+from train.machine import PROBE_TOKENS, target_dtype
+from train.memory_plan import check_fits, device_memory, plan_for_run
 from train.ranks import Ranks, dist_timeout
 from train.replay import Replay
 from train.report.tracking import tracker
 from train.schedule import global_rows
 from train.settings import gpu_index
 from train.step import StepSetup
+from train.strategy import Strategy
 
 
 def instantiate(node: DictConfig, **kwargs):
@@ -46,6 +54,26 @@ def instantiate(node: DictConfig, **kwargs):
         if isinstance(cause, ValueError | FileNotFoundError | TypeError):
             raise cause from None
         raise
+
+
+def load_target(
+    cfg: DictConfig, device: torch.device, resume_from: Path | None, processes_here: int,
+    strategy: Strategy, ranks: Ranks,
+) -> tuple[Target, DtypeChoice]:  # fmt: skip
+    """The frozen target, loaded straight into its training dtype on `device`, and that
+    dtype's choice. Before any weight is read: the dtype is chosen from the target's config
+    (train/machine.py: target_dtype; a resumed auto run keeps its checkpoint's), and a launch
+    whose memory plan (train/memory_plan.py) exceeds the device's memory is refused."""
+    config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
+    saved = (read_identity(resume_from).get("target") or {}).get("dtype") if resume_from else None
+    tokens = min(PROBE_TOKENS, int(cfg.data.max_len))
+    choice = target_dtype(cfg, config, name, device, tokens, saved, ranks)
+    plan = plan_for_run(cfg, config, name, choice.dtype, strategy.world_size,
+                        strategy.kind == "fsdp", device.type == "cuda")  # fmt: skip
+    memory = device_memory(device, processes_here)
+    if memory is not None:
+        check_fits(plan, *memory)
+    return instantiate(cfg.target, dtype=choice.dtype, device=str(device)), choice
 
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:

@@ -1,0 +1,134 @@
+"""The memory plan (train/memory_plan.py, scripts/plan.py): counts from the config alone, on
+the meta device, equal to the real modules'; a launch that cannot fit is refused."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra.utils
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import train.run_setup
+from models.target_loaders import build_tiny_random, target_config
+from tests.helpers import compose_debug
+from train.loop import run
+from train.memory_plan import (
+    activation_bytes,
+    check_fits,
+    parameter_counts,
+    plan_for_run,
+    planned_dtype,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_8B = Path(__file__).parent / "llama31_8b"  # Llama-3.1-8B's published config.json only
+LLAMA_8B_PARAMS = 8_030_261_248
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*overrides, "logger=none"])
+
+
+def plan_of(cfg, dtype: str, ranks: int = 1, sharded: bool = False, cuda: bool = False):
+    config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
+    return plan_for_run(cfg, config, name, dtype, ranks, sharded, cuda)
+
+
+def test_llama_3_1_8b_target_is_two_bytes_per_parameter_in_bf16():
+    cfg = compose_train("+experiment=eagle_tv", "target=hf", f"target.path={LLAMA_8B}")
+    dtype = planned_dtype(str(cfg.target.dtype), cuda=True)  # auto on CUDA: bfloat16
+    plan = plan_of(cfg, dtype, ranks=8, cuda=True)
+    assert (plan.target_dtype, plan.target_params) == ("bfloat16", LLAMA_8B_PARAMS)
+    assert plan.target_bytes == 2 * LLAMA_8B_PARAMS
+    # EAGLE-3 taps 3 layers plus the last: (3 + 1) x 4096 x 2 bytes per token (docs/scaling.md)
+    assert plan.feature_cache_bytes_per_token == 32_768
+    # AdamW: 2 float32 states per trainable float32 parameter, no master copy
+    assert plan.optimizer_bytes == 8 * plan.draft_trainable
+    assert plan.gradient_bytes == 4 * plan.draft_trainable
+    # the draft's state sharded over 8 ranks (FSDP), the target not
+    fsdp = plan_of(cfg, dtype, ranks=8, sharded=True, cuda=True)
+    assert fsdp.target_bytes == plan.target_bytes
+    assert fsdp.optimizer_bytes == -(-plan.optimizer_bytes // 8)
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle", "medusa2", "mtp", "dflash"])
+def test_tiny_plan_counts_what_the_built_modules_hold(kind):
+    cfg = compose_train("target=tiny_random", f"draft={kind}")
+    plan = plan_of(cfg, "float32")
+    target = build_tiny_random(seed=0, device="cpu")
+    counts = torch.arange(target.vocab_size, 0, -1, dtype=torch.float32)
+    draft = hydra.utils.instantiate(cfg.draft.model, target=target, token_counts=counts)
+    trainable, frozen, nbytes = parameter_counts(draft)
+    assert plan.target_params == sum(p.numel() for p in target.model.parameters())
+    assert plan.target_bytes == 4 * plan.target_params
+    assert (plan.draft_trainable, plan.draft_frozen, plan.draft_bytes) == (trainable, frozen, nbytes)  # fmt: skip
+    assert plan.activation_bytes is not None, plan.notes
+    assert 0 < plan.activation_bytes_checkpointed <= plan.activation_bytes
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle", "mtp"])
+def test_meta_activations_equal_a_real_forwards_saved_tensors(kind):
+    """The meta forward (values unknown, `.item()` read as 1) saves what a real one does
+    when attention takes PyTorch's math path, the one meta tensors take; the fused kernel a
+    real run picks keeps less (no [B, heads, T, T] probabilities): the plan is an upper bound."""
+    cfg = compose_train("target=tiny_random", f"draft={kind}", "train.batch_size=2", "data.max_len=64")  # fmt: skip
+    plan = plan_of(cfg, "float32")
+    target = build_tiny_random(seed=0, device="cpu")
+    counts = torch.arange(target.vocab_size, 0, -1, dtype=torch.float32)
+    draft = hydra.utils.instantiate(cfg.draft.model, target=target, token_counts=counts)
+    with sdpa_kernel(SDPBackend.MATH):
+        real = activation_bytes(draft.train(), target, 2, 64)
+    assert (plan.activation_bytes, plan.activation_bytes_checkpointed) == real
+    fused, fused_ckpt = activation_bytes(draft, target, 2, 64)
+    assert fused < plan.activation_bytes and fused_ckpt <= plan.activation_bytes_checkpointed
+
+
+def test_activations_grow_with_the_batch():
+    small = plan_of(compose_train("target=tiny_random", "draft=eagle1", "train.batch_size=2"), "float32")  # fmt: skip
+    large = plan_of(compose_train("target=tiny_random", "draft=eagle1", "train.batch_size=4"), "float32")  # fmt: skip
+    assert large.activation_bytes == pytest.approx(2 * small.activation_bytes, rel=0.01)
+
+
+def test_a_plan_over_the_memory_is_refused_with_the_numbers_and_what_fits():
+    cfg = compose_train("+experiment=eagle_tv", "target=hf", f"target.path={LLAMA_8B}")
+    plan = plan_of(cfg, "bfloat16", ranks=8, cuda=True)
+    check_fits(plan, 80 * 2**30, "80 GiB")  # fits: nothing raised
+    with pytest.raises(ValueError, match=r"needs 22\.\d\d GiB per rank but 20 GiB is 20\.00 GiB") as err:  # fmt: skip
+        check_fits(plan, 20 * 2**30, "20 GiB")
+    message = str(err.value)
+    assert "target weights       14.96 GiB" in message
+    assert "FSDP over 8 ranks" in message  # the draft's state sharded brings it under 20 GiB
+    one = plan_of(cfg, "bfloat16", ranks=1, cuda=True)
+    with pytest.raises(ValueError, match="FSDP over 4 ranks"):  # the fewest GPUs that fit
+        check_fits(one, 20 * 2**30, "20 GiB")
+    with pytest.raises(ValueError, match="No setting tried fits.*the target alone needs 14.96 GiB"):
+        check_fits(plan, 10 * 2**30, "10 GiB")
+
+
+def test_plan_script_refuses_a_gpu_too_small(tmp_path):
+    args = ["+experiment=eagle_tv", "target=hf", f"target.path={LLAMA_8B}", "--gpus", "8"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plan.py"), *args, "--gpu-mem", "16"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "8,030,261,248 params, bfloat16" in done.stdout
+    assert "per rank but --gpu-mem 16 GiB is 16.00 GiB" in done.stderr
+
+
+def test_a_run_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    """train.py's run checks the same plan against the device's memory at start."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the target was loaded although the plan does not fit")
+
+    monkeypatch.setattr(train.run_setup, "device_memory", lambda device, here: (1000, "test RAM"))  # fmt: skip
+    monkeypatch.setattr(train.run_setup, "instantiate", loaded)
+    with pytest.raises(ValueError, match="memory plan: .* per rank but test RAM is 0.00 GiB"):
+        run(compose_debug(tmp_path / "run", f"data.cache_dir={tmp_path}/c"))
+    assert not (tmp_path / "run").exists()
