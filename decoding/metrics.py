@@ -62,6 +62,33 @@ def _as_row(prompt: Tensor) -> Tensor:
     return prompt.view(1, -1) if prompt.dim() == 1 else prompt
 
 
+def decode_spec_only(
+    target: Target,
+    drafter: Drafter,
+    prompts: list[Tensor],  # each [T] or [1, T]
+    indices: list[int] | None = None,  # the prompts to decode (None: all); a process's share
+    *,
+    k: int = 4,
+    sampling: Sampling = GREEDY,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    adaptive_k: bool = False,
+    tree: TreeSpec | None = None,
+) -> list[GenerationResult]:
+    """The speculative decode alone of `indices` of `prompts`, prompt i seeded seed + i as in
+    `decode_prompts`: for acceptance figures (`acceptance_stats`) where no speedup is wanted,
+    so no AR pass and no warm-up (nothing here is timed)."""
+    indices = list(range(len(prompts))) if indices is None else list(indices)
+    kw = dict(
+        k=k, sampling=sampling, max_new_tokens=max_new_tokens, adaptive_k=adaptive_k, tree=tree
+    )
+    gen = torch.Generator(device=target.device)
+    return [
+        generate(target, _as_row(prompts[i]), drafter, generator=gen.manual_seed(seed + i), **kw)
+        for i in indices
+    ]
+
+
 def acceptance_stats(results: list[GenerationResult], k: int) -> dict:
     """τ over every verify forward (`GenerationResult.tau`) and `tau_drafted` over rounds
     with drafts; α_i, cumulative acceptance and the histogram over rounds with drafts."""

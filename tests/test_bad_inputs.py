@@ -71,7 +71,7 @@ def test_evaluate_refuses_a_k_the_block_draft_cannot_draft(tmp_path, monkeypatch
 
 
 def test_a_missing_init_from_is_refused_before_the_target_loads(tmp_path, monkeypatch):
-    monkeypatch.setattr(train.loop, "instantiate", no_loading)
+    monkeypatch.setattr(train.loop, "load_target", no_loading)
     monkeypatch.setattr(ev, "load_target", no_loading)
     nope = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=r"draft.init_from=.*nope' is not a directory"):
@@ -99,7 +99,7 @@ def test_unusable_source_is_refused_before_the_target_loads(
     path = tmp_path / name
     if content is not None:
         path.write_text(content)
-    monkeypatch.setattr(train.loop, "instantiate", no_loading)
+    monkeypatch.setattr(train.loop, "load_target", no_loading)
     run_dir = tmp_path / "run"
     cfg = compose_debug(run_dir, "data=local", f"data.source={path}")
     with pytest.raises(error, match=message):
@@ -168,7 +168,7 @@ def test_a_second_run_into_a_run_dir_with_records_is_refused(tmp_path, monkeypat
     run_dir.mkdir()
     record = json.dumps({"kind": "train", "step": 1, "loss": 3.0}) + "\n"
     (run_dir / "metrics.jsonl").write_text(record)
-    monkeypatch.setattr(train.loop, "instantiate", no_loading)
+    monkeypatch.setattr(train.loop, "load_target", no_loading)
     with pytest.raises(FileExistsError, match=r"already holds a run's records \(metrics.jsonl\)"):
         train.loop.run(compose_debug(run_dir))
     assert (run_dir / "metrics.jsonl").read_text() == record

@@ -328,7 +328,7 @@ def test_bad_setting_fails_before_the_target_is_loaded(tmp_path, monkeypatch, ov
     def no_loading(*args, **kwargs):
         raise AssertionError("the target/draft was built before the settings were checked")
 
-    monkeypatch.setattr(train.loop, "instantiate", no_loading)
+    monkeypatch.setattr(train.loop, "load_target", no_loading)
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
         train.loop.run(compose_debug(run_dir, *overrides))

@@ -47,12 +47,19 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.compiled import STATS, counts_recordings
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import LookupDrafter, with_lookup
-from decoding.metrics import decode_prompts, merge_decoded, summarize
+from decoding.metrics import (
+    acceptance_stats,
+    decode_prompts,
+    decode_spec_only,
+    merge_decoded,
+    summarize,
+)
 from decoding.spec import generate
 from decoding.tree import TreeSpec
 from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
+from train.data.prompt_file import ood_prompts
 from train.eval_compiled import (
     COMPILED_KEYS,
     DecodeCopies,
@@ -229,11 +236,16 @@ def evaluate_checkpoint(
         torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in eval_prompts[:num]
     ]
     mine = ranks.mine(len(prompts))  # prompts rank, rank + world, ...
-    result: dict = {"k": k, "num_prompts": len(prompts)}
+    # decode.ood_prompts: kinds the training data has none of, decoded for tau alone
+    ood = ood_prompts(
+        dec.get("ood_prompts"), target.tokenizer, (cfg.get("data") or {}).get("chat_template")
+    )
+    ood = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in ood[:num]]
+    result: dict = {"k": k, "num_prompts": len(prompts), "ood_num_prompts": len(ood)}
     max_new_tokens = int(dec.get("max_new_tokens", 64))
     compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
     setting = dec.get("compile", False)
-    max_len = max(p.shape[1] for p in prompts) + max_new_tokens
+    max_len = max(p.shape[1] for p in prompts + ood) + max_new_tokens
     if setting == "auto":  # measured at a run's first evaluation by rank 0, then kept
         if "compile" not in target_eval.dtypes:
             choice = None
@@ -298,6 +310,15 @@ def evaluate_checkpoint(
             result[f"{tag}/{key}"] = value
         if isinstance(used, LookupDrafter):  # this rank's rounds, warm-up prompts included
             result[f"{tag}/lookup_share"] = used.lookup_rounds / max(used.rounds, 1)
+        if ood:  # the same decode on the out-of-domain prompts: tau and alpha, not timed
+            spec = compiled if only_compiled else (decode_target, drafter)
+            kw.pop("warmup")
+            with torch.no_grad():
+                runs = decode_spec_only(*spec, ood, ranks.mine(len(ood)), **kw)
+            runs = [r for part in ranks.gather(runs) for r in part]
+            ood_stats = acceptance_stats(runs, max(max(r.draft_lens, default=k) for r in runs))
+            result[f"ood/{tag}/tau"] = ood_stats["tau"]
+            result[f"ood/{tag}/alpha"] = ood_stats["alpha"]
         # The proxy computed at this very sampling; absent from train records written
         # before this temperature was configured (a resumed run), and then not reported.
         predicted = None
@@ -310,6 +331,9 @@ def evaluate_checkpoint(
     result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
     result["speedup"] = result.get(f"{first}/speedup")
     result["speedup_best_ar"] = result.get(f"{first}/speedup_best_ar")
+    if ood:  # the out-of-domain tau beside the in-domain one, and their ratio
+        result["ood/tau"] = result[f"ood/{first}/tau"]
+        result["ood/tau_ratio"] = result["ood/tau"] / result["tau"]
     if only_compiled:
         result["decode_path"] = "compiled"
         result["speedup_eager_ar"] = result[f"{first}/speedup_eager_ar"]

@@ -32,18 +32,26 @@ from tqdm.auto import tqdm
 
 from train.checkpoint import restore_trainer_state, resume_checkpoint
 from train.data.prepare import collate, prepare_data
+from train.data.prompt_file import ood_prompts
 from train.formats.init_from import check_init_from
 from train.identity import Resumed, check_resume, run_identity
-from train.machine import choose_autocast, set_target_dtype, share_threads
+from train.machine import choose_autocast, share_threads
+from train.optimizers import build_optimizer, optimizer_settings
 from train.ranks import Ranks
 from train.report.tracking import RunLog, finish_tracking, init_tracking
-from train.run_files import check_run_dir, clear_run, save_hydra_record, write_atomic
+from train.run_files import (
+    check_run_dir,
+    clear_run,
+    save_hydra_record,
+    write_atomic,
+    write_eval_prompts,
+)
 from train.run_records import RunRecords, checkpoint_and_evaluate, write_summary
 from train.run_setup import (
     build_draft,
     feature_cache,
     heldout_proxy,
-    instantiate,
+    load_target,
     make_accelerator,
     make_replay,
     preflight,
@@ -110,8 +118,9 @@ def train_run(cfg: DictConfig) -> dict:
     # -- target, data, draft, optimizer ---------------------------------------------
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes on this machine
     threads = share_threads(local, accelerator.device)
-    target = instantiate(cfg.target)  # target.dtype=auto: loaded in float32, measured below
-    target.to(accelerator.device)
+    ranks = Ranks.current()  # regeneration, feature cache, evaluation: each rank its share
+    # Its dtype chosen and the memory plan checked before a weight is read (train/run_setup.py)
+    target, target_choice = load_target(cfg, accelerator.device, resume_from, local, strategy, ranks)  # fmt: skip
     resumed: Resumed | None = None  # the saved run continued exactly, or refused here
     if resume_from is not None:
         resumed = check_resume(cfg, resume_from, target, world, strategy.kind)
@@ -119,14 +128,16 @@ def train_run(cfg: DictConfig) -> dict:
             print(f"[resume] {note}", flush=True)
     elif cfg.draft.get("init_from"):
         check_init_from(cfg.draft, target)
-    ranks = Ranks.current()  # regeneration, feature cache, evaluation: each rank its share
     prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True), ranks=ranks)
     if tc.eval_at_ckpt or tc.get("heldout_proxy"):  # eval prompts + new tokens fit the window
         check_decode_context(target, cfg.decode, prepared.eval_prompts)
+        ood = ood_prompts(
+            cfg.decode.get("ood_prompts"), target.tokenizer, cfg.data.get("chat_template")
+        )
+        check_decode_context(target, cfg.decode, ood)  # decode.ood_prompts, decoded beside
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
     pad_id = target.tokenizer.pad_token_id
-    saved_dtype = resumed.target_dtype if resumed else None
-    dtypes = {"train_target": set_target_dtype(cfg, target, train_rows[0], saved_dtype, ranks)}
+    dtypes = {"train_target": target_choice}
     draft = build_draft(cfg, target, prepared, warm_start=resume_from is None)
     offsets = preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
     features = feature_cache(cfg, accelerator, target, draft, train_rows)
@@ -146,10 +157,7 @@ def train_run(cfg: DictConfig) -> dict:
         raise ValueError("the draft has no trainable parameters; check draft.model settings")
     draft = shard(strategy, draft, accelerator.device)  # FSDP: before the optimizer sees it
     oc, budget = cfg.optim, tc.get("time_budget_s")
-    optimizer = torch.optim.AdamW(
-        [p for p in draft.parameters() if p.requires_grad],
-        lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
-    )  # fmt: skip
+    optimizer = build_optimizer(draft.named_parameters(), **optimizer_settings(oc))  # optim.name
     clock = {"train_s": 0.0}  # training seconds so far: steps with their replay rollouts
     sched = resumed.schedule if resumed else schedule_settings(cfg)  # a run keeps its own
     sched_budget = sched["time_budget_s"]
@@ -175,6 +183,8 @@ def train_run(cfg: DictConfig) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         segment = "config.yaml" if resumed is None else f"config.resume-{start_step:08d}.yaml"
         write_atomic(run_dir / segment, OmegaConf.to_yaml(cfg, resolve=True))
+        data = OmegaConf.to_container(cfg.data, resolve=True)  # its eval prompts, beside it:
+        write_eval_prompts(run_dir, prepared.eval_prompts, data)  # scripts/evaluate.py reads them
         save_hydra_record(run_dir, cfg)
     log = RunLog(run_dir, accelerator, start_step if resume_from is not None else None)
     init_tracking(accelerator, cfg, run_dir)

@@ -6,7 +6,8 @@ any training.
 
 The checks are those of the code that uses each setting (decoding.verify.check_sampling,
 decoding.tree.TreeSpec, train.replay.Replay, models.dtypes.resolve_dtype, the loss table,
-torch's AdamW), called on the config values, with the config key in front of their messages.
+train.optimizers.build_optimizer), called on the config values, with the config key in front
+of their messages.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from train.data.regen_openai import check_backend_settings
 from train.data.sources import check_source
 from train.formats.init_from import detect_format
 from train.losses import LossSpec
+from train.optimizers import build_optimizer, optimizer_settings
 from train.replay import Replay
 
 
@@ -82,16 +84,13 @@ def check_loss_and_optim(cfg: DictConfig) -> None:
             "draft.model.vocab_size=full, or loss.labels=target"
         )
     oc = cfg.optim
-    # AdamW checks lr, betas, eps and weight_decay; a one-element tensor stands in for the draft.
-    _named(
-        "optim",
-        torch.optim.AdamW,
-        [torch.zeros(1, requires_grad=True)],
-        lr=oc.lr,
-        betas=tuple(oc.betas),
-        eps=oc.eps,
-        weight_decay=oc.weight_decay,
-    )
+    # The loop's own build_optimizer (torch's AdamW checks lr, betas, eps, weight_decay; Muon
+    # its settings): a matrix and a vector stand in for the draft, so optim=muon builds both.
+    probe = [
+        ("w", torch.zeros(2, 2, requires_grad=True)),
+        ("b", torch.zeros(2, requires_grad=True)),
+    ]
+    _named("optim", build_optimizer, probe, **optimizer_settings(oc))
     if not oc.warmup_steps >= 0:
         raise ValueError(f"optim.warmup_steps must be >= 0, got {oc.warmup_steps}")
     if not 0.0 <= oc.min_lr_ratio <= 1.0:
@@ -221,6 +220,7 @@ def check_regen_backend(data: DictConfig) -> None:
         data.get("regen_backend", "hf"), data.get("regen_url"), data.get("regen_model"),
         data.get("regen_concurrency", 8), data.get("regen_retries", 3),
         data.get("regen_timeout", 600), request, data.get("chat_template"),
+        data.get("max_failed_share", 0.01),
     )  # fmt: skip
 
 

@@ -1,0 +1,75 @@
+"""decode.ood_prompts: prompts of kinds the training data has none of, decoded beside the eval
+prompts for tau alone (train/evaluate.py), from train/data/ood_prompts.jsonl or a file."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from models import eagle
+from train.data.corpus import CATEGORIES
+from train.data.prompt_file import BUILTIN_OOD, load_prompt_file, ood_prompts
+from train.evaluate import evaluate_checkpoint
+
+
+def test_the_builtin_set_is_of_kinds_the_embedded_pool_lacks(tiny):
+    rows = [json.loads(line) for line in BUILTIN_OOD.read_text().splitlines()]
+    kinds = [r["category"] for r in rows]
+    assert len(rows) == 24 and {kinds.count(c) for c in set(kinds)} == {6}
+    assert not set(kinds) & set(CATEGORIES)  # code / prose / qa: the training pool's kinds
+    assert len({r["prompt"] for r in rows}) == 24
+    prompts = ood_prompts("builtin", tiny.tokenizer, None)
+    assert [p["category"] for p in prompts] == kinds and all(p["input_ids"] for p in prompts)
+    assert ood_prompts(None, tiny.tokenizer, None) == []
+
+
+def test_a_bad_file_is_refused_with_its_line(tmp_path, tiny):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match=r"decode.ood_prompts .*p.jsonl line 2: expected"):
+        ood_prompts(str(path), tiny.tokenizer, None)
+    with pytest.raises(FileNotFoundError, match="decode.ood_prompts"):
+        ood_prompts(str(tmp_path / "missing.jsonl"), tiny.tokenizer, None)
+
+
+def _cfg(ood: str | None) -> OmegaConf:
+    return OmegaConf.create(
+        {
+            "seed": 0,
+            "decode": {
+                "k": 2, "temperatures": [0.0, 0.9], "top_k": 0, "top_p": 1.0,
+                "max_new_tokens": 12, "num_prompts": 3, "warmup": 0, "dtype": "float32",
+                "draft_dtype": "float32", "ood_prompts": ood,
+            },
+        }
+    )  # fmt: skip
+
+
+def test_ood_tau_is_the_tau_of_the_same_decode_on_those_prompts(tmp_path, tiny):
+    """ood/<tag>/tau equals the tau an evaluation whose eval prompts ARE the ood prompts
+    reports, greedy and sampled (prompt i seeded seed + i in both), and ood/tau_ratio is
+    ood/tau over the in-domain tau."""
+    draft = eagle.from_target(tiny, None, vocab_size="full", ttt_steps=2)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a draft between exact and useless: acceptance differs per prompt
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    path = tmp_path / "ood.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in ["sum 2+2", "a b c d", "why"])
+    )
+    ood = load_prompt_file(path, tiny.tokenizer, None)
+    in_domain = [{"input_ids": list(range(3, 3 + n))} for n in (5, 9, 7)]
+
+    result, _ = evaluate_checkpoint(tiny, draft, in_domain, _cfg(str(path)), None)
+    alone, _ = evaluate_checkpoint(tiny, draft, ood, _cfg(None), None)
+    assert result["ood_num_prompts"] == 3 and "ood/tau" not in alone
+    for tag in ("greedy", "T0.9"):
+        assert result[f"ood/{tag}/tau"] == alone[f"{tag}/tau"]
+        assert result[f"ood/{tag}/alpha"] == alone[f"{tag}/alpha"]
+        # other prompts decode other text: the equalities above can tell the sets apart
+        assert result[f"{tag}/accepted_per_prompt"] != alone[f"{tag}/accepted_per_prompt"]
+    assert result["ood/tau"] == result["ood/greedy/tau"]
+    assert result["ood/tau_ratio"] == pytest.approx(result["ood/tau"] / result["tau"])
