@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from omegaconf import DictConfig
 from transformers import PretrainedConfig
 
-from models.dtype_choice import PROBE_TOKENS, DtypeChoice, choose_dtype
+from models.dtype_choice import PROBE_TOKENS, DtypeChoice, choose_dtype, median_seconds
 from models.dtype_choice import choose_target_dtype as slice_dtype
 from models.dtypes import resolve_dtype
 from models.protocol import DraftModel
@@ -48,17 +45,6 @@ def share_threads(local_processes: int, device: torch.device) -> dict:
             record["source"] = "cores / processes"
     record["threads"] = torch.get_num_threads()
     return record
-
-
-def median_seconds(fn: Callable[[], None], repeats: int = 3) -> float:
-    """Median wall time of `fn` over `repeats` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def probe_batch(row: dict, device: torch.device) -> dict[str, torch.Tensor]:
