@@ -116,13 +116,26 @@ def test_unset_values_are_refused_by_name(tmp_path):
         check_settings(compose_debug(tmp_path, "target=hf"))
 
 
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("data.bad_rows=ignore", r"data.bad_rows='ignore': use skip or refuse"),
+        ("data.regenerate_turns=first", r"data.regenerate_turns='first': use last or all"),
+        ("data.num_proc=0", r"data.num_proc=0: a number of processes >= 1, or null"),
+    ],
+)
+def test_data_reading_settings_are_refused_before_the_target_loads(tmp_path, setting, message):
+    with pytest.raises(ValueError, match=message):
+        check_settings(compose_debug(tmp_path, setting))
+
+
 def test_sources_without_usable_conversations_fail_clearly(tiny, tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"messages": [\nnot json\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl' could not be read as json"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl' holds no readable conversation .*line 1: not JSON"):
         prepare_data(tiny, source=str(bad_json), regenerate=False, progress=False)
     odd_turns = write_rows(tmp_path / "turns.jsonl", [{"messages": ["hi", "there"]}])
-    with pytest.raises(ValueError, match=r"row 0: a turn is not a \{role, content\}"):
+    with pytest.raises(ValueError, match=r"line 1: a turn is not a \{role, content\}"):
         prepare_data(tiny, source=str(odd_turns), regenerate=False, progress=False)
     # One answered row: it becomes the eval prompt, so nothing is left to train on.
     one = write_rows(tmp_path / "one.jsonl", [sharegpt_row(0, "an answer")])

@@ -224,6 +224,17 @@ def check_regen_backend(data: DictConfig) -> None:
     )  # fmt: skip
 
 
+def check_data_reading(data: DictConfig) -> None:
+    """data.bad_rows, data.num_proc, data.regenerate_turns (train/data/local_source.py, turns.py)."""
+    choices = {"bad_rows": ("skip", "refuse"), "regenerate_turns": ("last", "all")}
+    for key, allowed in choices.items():
+        if data.get(key, allowed[0]) not in allowed:
+            raise ValueError(f"data.{key}={data.get(key)!r}: use {' or '.join(allowed)}")
+    procs = data.get("num_proc")
+    if procs is not None and not (isinstance(procs, int) and procs >= 1):
+        raise ValueError(f"data.num_proc={procs!r}: a number of processes >= 1, or null (the CPUs)")
+
+
 def check_unset(cfg: DictConfig) -> None:
     """A mandatory value left at ??? (target=hf's target.path, data=local's data.source)."""
     unset = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra."))
@@ -272,6 +283,7 @@ def check_settings(cfg: DictConfig) -> None:
     check_decode(cfg.decode)
     check_dtype("data.regen_dtype", cfg.data.get("regen_dtype", "auto"))
     check_regen_backend(cfg.data)
+    check_data_reading(cfg.data)
     check_dtype("target.dtype", cfg.target.get("dtype", "float32"))
     if cfg.train.bf16 not in (True, False, "auto"):
         raise ValueError(

@@ -14,8 +14,9 @@ from/value) or OpenAI (`messages` with role/content) form (train/data/sources.py
 
 from __future__ import annotations
 
-import random
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import torch
@@ -26,10 +27,20 @@ from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.target import Target
 from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
 from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
-from train.data.raw_chunks import raw_chunk_conversations
+from train.data.local_source import (
+    ROW_FEATURES,
+    held_out_split,
+    label_counts,
+    pick_rows,
+    read_source,
+    row_stats,
+    tokenize_rows,
+)
+from train.data.raw_chunks import raw_chunks_for
 from train.data.regen_openai import check_backend_settings, regenerate_openai
+from train.data.regenerate import default_cache_root
 from train.data.regenerate import regenerate as regenerate_responses
-from train.data.sources import load_conversations
+from train.data.turns import regenerate_every_turn
 from train.ranks import Ranks
 
 
@@ -91,6 +102,7 @@ def prepare_data(
     num_reference: int = 0,
     num_raw_chunks: int = 0,
     regenerate: bool = True,
+    regenerate_turns: str = "last",
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -108,6 +120,8 @@ def prepare_data(
     cache_dir: str | None = None,
     stdlib_files: int = 150,
     chat_template: str | None = None,
+    bad_rows: str = "skip",
+    num_proc: int | None = None,
     progress: bool = True,
     ranks: Ranks | None = None,
 ) -> PreparedData:
@@ -121,6 +135,10 @@ def prepare_data(
     num_train) and `num_raw_chunks` raw-text chunks of the embedded corpus (stdlib modules,
     play scenes) of up to max_len tokens, as "Continue this file:" conversations.
 
+    A local source is read and tokenized once into Arrow shards under the cache and
+    memory-mapped (train/data/local_source.py): `bad_rows` (skip | refuse) says what a damaged
+    row does, `num_proc` how many processes tokenize (None: the CPUs over the ranks).
+
     `ranks` (train/ranks.py): every rank of a run calls this and answers its share of the
     prompts; rank 0 picks the regeneration dtype for all of them; every rank gets the
     same data. `regen_backend`: hf (the target in this process, in `regen_dtype`,
@@ -128,7 +146,10 @@ def prepare_data(
     regen_* settings, train/data/regen_openai.py; each rank sends its share of the requests;
     prompts the server refuses are left out, at most `max_failed_share` of them).
     """
-    ranks = ranks or Ranks()
+    started, ranks = time.perf_counter(), ranks or Ranks()
+    if regenerate_turns not in ("last", "all"):
+        raise ValueError(f"data.regenerate_turns={regenerate_turns!r}: use last or all")
+    every_turn = regenerate and regenerate_turns == "all"
     if regenerate:
         check_backend_settings(
             regen_backend, regen_url, regen_model, regen_concurrency, regen_retries,
@@ -172,43 +193,53 @@ def prepare_data(
         "skipped_template_mismatch": 0,
         "dropped_eval_duplicates": 0,
     }
+    cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_root()
+    local_rows, local_order, local_used = None, [], 0  # a local source's rows, on disk
     if source == "embedded":
         train_convs, eval_convs, extra = embedded_conversations(
             num_train or 10**9, num_eval, seed, fits, not regenerate, stdlib_files
         )
         stats.update(extra)
-    else:
-        rows = load_conversations(source, split)
-        stats["source_rows"] = len(rows)
-        random.Random(seed).shuffle(rows)
-        eval_convs, train_convs = [], []
-        for r in rows:
-            prompt = r["messages"][
-                : next((i + 1 for i, m in enumerate(r["messages"]) if m["role"] == "user"), 0)
-            ]
-            fresh = prompt and all(
-                prompt[-1]["content"] != c["messages"][-1]["content"] for c in eval_convs
-            )
-            if len(eval_convs) < num_eval and fresh and fits(prompt):
-                eval_convs.append({**r, "messages": prompt})
-            else:
-                train_convs.append(r)
-        # A duplicate of an eval prompt elsewhere in the file is the same item: drop it.
-        eval_texts = {c["messages"][-1]["content"] for c in eval_convs}
-        kept = [
-            r
-            for r in train_convs
-            if not any(m["role"] == "user" and m["content"] in eval_texts for m in r["messages"])
-        ]
-        stats["dropped_eval_duplicates"] = len(train_convs) - len(kept)
-        train_convs = kept
+    else:  # read once into Arrow shards (train/data/local_source.py), rows fetched by index
+        conversations, read_info, conv_key = read_source(
+            source, split, bad_rows, cache_root, ranks, progress
+        )
+        stats["source_rows"] = len(conversations) + read_info["bad_rows"]
+        stats["bad_rows"] = read_info["bad_rows"]
+        if read_info["bad_rows"]:
+            stats["bad_rows_first"] = read_info["bad_rows_first"]
+            if progress and ranks.main:
+                print(
+                    f"[draftlab] data.source: {read_info['bad_rows']} damaged rows skipped "
+                    f"(data.bad_rows=skip), e.g. {read_info['bad_rows_first'][0]}", flush=True
+                )  # fmt: skip
+        eval_convs, local_order, stats["dropped_eval_duplicates"] = held_out_split(
+            conversations, seed, num_eval, fits
+        )
+
+        def local_conversations():  # training conversations in seeded order, read lazily
+            for i in local_order:
+                r = conversations[i]
+                yield {"messages": r["messages"], "category": r["category"], "group": f"row:{r['index']}"}  # fmt: skip
+
+        train_convs = local_conversations() if regenerate else []
+        if not regenerate or num_reference:  # whole conversations tokenized, on disk
+            local_rows = tokenize_rows(
+                conv_key, tok, template, end_tokens, max_len, cache_root, num_proc, ranks, progress
+            )  # fmt: skip
 
     # Prompt = everything before the last assistant turn: the answer regeneration replaces.
     # Embedded prompts without a source answer are `prompt_only`: regeneration answers them.
     items = []
     for c in train_convs:
+        if num_train and len(items) == num_train:
+            break
+        local_used += 1
         msgs = c["messages"]
-        last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+        if c.get("prompt_only") and every_turn:  # its one answer still to come
+            msgs = c["messages"] = [*msgs, {"role": "assistant", "content": ""}]
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        last = (turns[0] if every_turn else turns[-1]) if turns else None  # the first answered
         prompt = msgs[:last] if last is not None else msgs
         if (
             (last is None and not c.get("prompt_only"))
@@ -226,28 +257,19 @@ def prepare_data(
             stats["skipped_long_prompt"] += 1
             continue
         items.append({**c, "ids": ids, "flags": flags, "prompt_messages": prompt})
-    items, rest = (items[:num_train], items[num_train:]) if num_train else (items, [])
     for it in items:
         it["stream"] = "regen" if regenerate else "source"
 
     if regenerate and items:
-        longest = max(len(it["ids"]) for it in items)
+        longest = max_prompt if every_turn else max(len(it["ids"]) for it in items)
         check_context(
             target, longest, max_new_tokens, "regeneration (the longest training prompt)",
             f"set data.max_new_tokens<={window - longest if window else max_new_tokens}, or a "
             "smaller data.max_len (prompts over data.max_len/2 are dropped)",
         )  # fmt: skip
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-        if regen_backend == "openai":  # a server answers (its dtype is its own)
-            answers, stats["regen"] = regenerate_openai(
-                target, [it["ids"] for it in items], [it["prompt_messages"] for it in items],
-                url=regen_url, model=regen_model, concurrency=regen_concurrency,
-                retries=regen_retries, timeout=regen_timeout, request=regen_request,
-                **sampling, seed=seed, cache_dir=cache_dir, chat_template=template,
-                max_failed_share=max_failed_share, progress=progress, ranks=ranks,
-            )  # fmt: skip
-        else:
-            choice = None  # one verdict for every rank: they must answer in the same dtype
+        choice = None  # one verdict for every rank: they must answer in the same dtype
+        if regen_backend != "openai":  # (a server's dtype is its own)
             if ranks.main:
                 choice = regen_dtype_choice(
                     target, regen_dtype, items, regen_batch_size, max_new_tokens, cache_dir
@@ -256,29 +278,69 @@ def prepare_data(
             stats["regen_dtype"] = choice.as_record()
             if progress and ranks.main and choice.source != "explicit":
                 print(f"dtype {choice.describe()}", flush=True)
-            answers, stats["regen"] = regenerate_responses(
-                target,
-                [it["ids"] for it in items],
-                **sampling,
-                batch_size=regen_batch_size,
-                dtype=choice.dtype,
-                seed=seed,
-                cache_dir=cache_dir,
-                chat_template=template,
-                progress=progress,
-                ranks=ranks,
-            )
-        kept = [(it, a) for it, a in zip(items, answers, strict=True) if a is not None]
-        stats["skipped_regen_refused"] = len(items) - len(kept)  # the server refused them
-        for it, answer in kept:
-            # The target's own tokens, EOS included when it stopped; all of them trained.
-            it["ids"], it["flags"] = (
-                it["ids"] + answer["ids"],
-                it["flags"] + [1] * len(answer["ids"]),
-            )
-        items = [it for it, _ in kept]
+        rounds: list[dict] = []  # each call's stats (regenerate_turns=all: one per turn)
 
-    # The streams that are not regenerated: whole conversations, assistant turns trained.
+        def answer(prompts: list[list[int]], messages: list[list[dict]]) -> list[dict | None]:
+            if regen_backend == "openai":  # a server answers
+                answers, st = regenerate_openai(
+                    target, prompts, messages, url=regen_url, model=regen_model,
+                    concurrency=regen_concurrency, retries=regen_retries, timeout=regen_timeout,
+                    request=regen_request, **sampling, seed=seed, cache_dir=cache_dir,
+                    chat_template=template, max_failed_share=max_failed_share,
+                    progress=progress, ranks=ranks,
+                )  # fmt: skip
+            else:
+                answers, st = regenerate_responses(
+                    target, prompts, **sampling, batch_size=regen_batch_size, dtype=choice.dtype,
+                    seed=seed, cache_dir=cache_dir, chat_template=template, progress=progress,
+                    ranks=ranks,
+                )  # fmt: skip
+            rounds.append(st)
+            return answers
+
+        if every_turn:  # each assistant turn answered in order (train/data/turns.py)
+            convs, stats["regen_turns"] = regenerate_every_turn(
+                [it["messages"] for it in items], answer, prompt_ids,
+                lambda ids: tok.decode(ids, skip_special_tokens=True), max_prompt,
+            )  # fmt: skip
+            stats["skipped_regen_refused"] = sum(c is None for c in convs)
+            answered = []
+            for it, msgs in zip(items, convs, strict=True):
+                try:  # every assistant turn now the target's: all of them trained
+                    ids, flags = tokenize(msgs) if msgs else (None, None)
+                except ValueError:
+                    stats["skipped_template_mismatch"] += 1
+                    continue
+                if ids is not None:
+                    answered.append({**it, "messages": msgs, "ids": ids, "flags": flags})
+            items = answered
+        else:
+            answers = answer([it["ids"] for it in items], [it["prompt_messages"] for it in items])
+            kept = [(it, a) for it, a in zip(items, answers, strict=True) if a is not None]
+            stats["skipped_regen_refused"] = len(items) - len(kept)  # the server refused them
+            for it, reply in kept:
+                # The target's own tokens, EOS included when it stopped; all of them trained.
+                it["ids"], it["flags"] = (
+                    it["ids"] + reply["ids"],
+                    it["flags"] + [1] * len(reply["ids"]),
+                )
+            items = [it for it, _ in kept]
+        stats["regen"] = rounds[0] if len(rounds) == 1 else {
+            **{k: sum(r[k] for r in rounds) for k in ("generated", "new_tokens")},
+            "seconds": round(sum(r["seconds"] for r in rounds), 2), "by_round": rounds,
+        }  # fmt: skip
+
+    local_parts = []  # a local source's rows, tokenized whole on disk (train/data/local_source.py)
+    if local_rows is not None:
+        num_local = 0 if regenerate else num_train
+        local_parts = pick_rows(local_rows, local_order[local_used:], num_local, num_reference, stats)  # fmt: skip
+        if num_reference and len(local_parts[-1]) < num_reference:
+            raise ValueError(
+                f"data.num_reference={num_reference}: data.source={source!r} has only "
+                f"{len(local_parts[-1])} answered rows beyond data.num_train={num_train}; lower one"
+            )
+
+    # The in-memory streams that are not regenerated: whole conversations, answers trained.
     extra = []
     if num_reference and source == "embedded":
         used = {c["unit"] for c in train_convs + eval_convs}
@@ -286,66 +348,44 @@ def prepare_data(
             {**c, "stream": "reference"}
             for c in reference_conversations(num_reference, seed, fits, used)
         ]
-    elif num_reference:
-        answered = [c for c in rest if not c.get("prompt_only")]
-        if len(answered) < num_reference:
-            raise ValueError(
-                f"data.num_reference={num_reference}: data.source={source!r} has only "
-                f"{len(answered)} answered rows beyond data.num_train={num_train}; lower one"
-            )
-        extra += [{**c, "stream": "reference"} for c in answered[:num_reference]]
     if num_raw_chunks:
-        scaffold = tokenize([{"role": "user", "content": ""}, {"role": "assistant", "content": ""}])
-
-        def line_tokens(lines: list[str]) -> list[int]:
-            if not lines:
-                return []
-            ids = tok([line + "\n" for line in lines], add_special_tokens=False)["input_ids"]
-            return [len(x) for x in ids]
-
-        # Room for the chunk's text: max_len less the template, the intro line and fences.
-        budget = max_len - len(scaffold[0]) - 32
-        if budget < 32:
-            raise ValueError(
-                f"data.max_len={max_len} leaves no room for raw chunks after the chat "
-                f"template ({len(scaffold[0])} tokens); raise data.max_len"
-            )
         extra += [
             {**c, "stream": "raw"}
-            for c in raw_chunk_conversations(num_raw_chunks, seed, budget, line_tokens)
+            for c in raw_chunks_for(tok, tokenize, max_len, num_raw_chunks, seed)
         ]
+    extra_items = []
     for c in extra:
         try:
             ids, flags = tokenize(c["messages"])
         except ValueError:
             stats["skipped_template_mismatch"] += 1
             continue
-        items.append({**c, "ids": ids, "flags": flags})
+        extra_items.append({**c, "ids": ids, "flags": flags})
 
-    columns: dict[str, list] = {
-        "input_ids": [],
-        "loss_mask": [],
-        "category": [],
-        "group": [],
-        "stream": [],
-    }
-    for it in items:
-        ids, flags = it["ids"], it["flags"]
-        if len(ids) > max_len:
-            ids, flags = ids[:max_len], flags[:max_len]
-            stats["truncated"] += 1
-        mask = shift_mask(flags)
-        if sum(mask) == 0:
-            stats["skipped_truncated_away" if len(ids) == max_len else "skipped_no_assistant"] += 1
-            continue
-        columns["input_ids"].append(ids)
-        columns["loss_mask"].append(mask)
-        columns["category"].append(it.get("category", "chat"))
-        columns["group"].append(it["group"])
-        columns["stream"].append(it["stream"])
-    if not columns["input_ids"]:
+    def in_memory(items: list[dict]) -> datasets.Dataset:
+        columns: dict[str, list] = {k: [] for k in ROW_FEATURES}
+        for it in items:
+            ids, flags = it["ids"], it["flags"]
+            if len(ids) > max_len:
+                ids, flags = ids[:max_len], flags[:max_len]
+                stats["truncated"] += 1
+            mask = shift_mask(flags)
+            if sum(mask) == 0:
+                skip = "skipped_truncated_away" if len(ids) == max_len else "skipped_no_assistant"
+                stats[skip] += 1
+                continue
+            columns["input_ids"].append(ids)
+            columns["loss_mask"].append(mask)
+            columns["category"].append(it.get("category", "chat"))
+            columns["group"].append(it["group"])
+            columns["stream"].append(it["stream"])
+        return datasets.Dataset.from_dict(columns, features=ROW_FEATURES)
+
+    parts = [in_memory(items), *local_parts, in_memory(extra_items)]
+    train = datasets.concatenate_datasets([p for p in parts if len(p)] or parts[:1])
+    if not len(train):
         lost = ", ".join(
-            f"{k} {v}" for k, v in stats.items() if v and (k.startswith("skipped") or k in (
+            f"{k} {v}" for k, v in stats.items() if v and (k.startswith(("skipped", "bad_rows")) or k in (
                 "truncated", "dropped_eval_duplicates", "source_rows"))
         )  # fmt: skip
         raise ValueError(
@@ -355,16 +395,7 @@ def prepare_data(
             "data.max_len"
         )
 
-    # Trained labels, input_ids[t+1] where loss_mask[t], of all rows: one bincount.
-    labels = [
-        ids[t + 1]
-        for ids, mask in zip(columns["input_ids"], columns["loss_mask"], strict=True)
-        for t in range(len(ids) - 1)
-        if mask[t]
-    ]
-    counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=target.vocab_size)
-    counts = counts[: target.vocab_size]  # [V]
-
+    counts = torch.from_numpy(label_counts(train, target.vocab_size))  # [V] trained labels
     eval_prompts = [
         {
             "category": c["category"],
@@ -374,24 +405,17 @@ def prepare_data(
         }
         for c in eval_convs
     ]
-    lengths = [len(x) for x in columns["input_ids"]]
-    streams: dict[str, dict] = {}
-    for ids, mask, name in zip(*(columns[k] for k in ("input_ids", "loss_mask", "stream"))):
-        st = streams.setdefault(name, {"rows": 0, "tokens": 0, "trained_tokens": 0})
-        st["rows"] += 1
-        st["tokens"] += len(ids)
-        st["trained_tokens"] += sum(mask)
+    streams, longest, categories = row_stats(train)
+    train_tokens = sum(s["tokens"] for s in streams.values())
     stats.update(
         {
-            "train_rows": len(lengths),
+            "train_rows": len(train),
             "eval_prompts": len(eval_prompts),
-            "train_tokens": sum(lengths),
+            "train_tokens": train_tokens,
             "trained_tokens": int(counts.sum()),
-            "mean_len": round(sum(lengths) / len(lengths), 1),
-            "max_len": max(lengths),
-            "train_categories": {
-                c: columns["category"].count(c) for c in sorted(set(columns["category"]))
-            },
+            "mean_len": round(train_tokens / len(train), 1),
+            "max_len": longest,
+            "train_categories": categories,
             "eval_categories": {
                 c: [p["category"] for p in eval_prompts].count(c) for c in CATEGORIES
             },
@@ -405,6 +429,8 @@ def prepare_data(
                 f"{k} {v['rows']} rows, {v['tokens']} tokens, {v['trained_tokens']} trained"
                 for k, v in streams.items()
             )
-            + f"; {len(eval_prompts)} eval prompts"
+            + f"; {len(eval_prompts)} eval prompts; prepared in "
+            + f"{time.perf_counter() - started:.1f} s",
+            flush=True,
         )
-    return PreparedData(datasets.Dataset.from_dict(columns), eval_prompts, counts, stats)
+    return PreparedData(train, eval_prompts, counts, stats)

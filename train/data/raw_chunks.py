@@ -114,3 +114,23 @@ def raw_chunk_conversations(
             f"code); lower data.num_raw_chunks to at most {len(out)} or raise data.max_len"
         )
     return out
+
+
+def raw_chunks_for(tok, tokenize: Callable, max_len: int, num: int, seed: int) -> list[dict]:
+    """`num` chunk conversations that fit max_len tokens once `tokenize` (the chat template)
+    has wrapped them: the budget is max_len less the template, the intro line and fences."""
+    scaffold = tokenize([{"role": "user", "content": ""}, {"role": "assistant", "content": ""}])
+
+    def line_tokens(lines: list[str]) -> list[int]:
+        if not lines:
+            return []
+        ids = tok([line + "\n" for line in lines], add_special_tokens=False)["input_ids"]
+        return [len(x) for x in ids]
+
+    budget = max_len - len(scaffold[0]) - 32
+    if budget < 32:
+        raise ValueError(
+            f"data.max_len={max_len} leaves no room for raw chunks after the chat "
+            f"template ({len(scaffold[0])} tokens); raise data.max_len"
+        )
+    return list(raw_chunk_conversations(num, seed, budget, line_tokens))

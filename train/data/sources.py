@@ -1,6 +1,7 @@
 """Chat data sources: a local .json/.jsonl/.parquet file, a local dataset directory or a hub
 dataset (through `datasets.load_dataset`), in ShareGPT (`conversations` with from/value) or
-OpenAI (`messages` with role/content) form, read into conversations (`load_conversations`).
+OpenAI (`messages` with role/content) form: each row's turns as messages (`to_messages`); read
+and tokenized on disk by train/data/local_source.py.
 `check_source` refuses a source that cannot hold any (unset, missing, empty, of another file
 type) before the target is loaded (train/settings.py).
 """
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-
-import datasets
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -23,7 +22,8 @@ SHAREGPT_ROLES = {
 }
 
 
-def _messages(row: dict, source: str) -> list[dict]:
+def to_messages(row: dict, source: str) -> list[dict]:
+    """A row's turns as role/content messages (OpenAI form, or ShareGPT's from/value)."""
     if row.get("messages") is not None:
         return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
     if row.get("conversations") is not None:
@@ -43,7 +43,7 @@ def _messages(row: dict, source: str) -> list[dict]:
     )
 
 
-def _guess_category(text: str) -> str:
+def guess_category(text: str) -> str:
     if "```" in text or re.search(r"\bdef |\bimport |\bfunction\b|\bclass \w+", text):
         return "code"
     return "qa" if text.rstrip().endswith("?") else "prose"
@@ -86,50 +86,3 @@ def check_source(source: str | None) -> None:
             f"data.source={source!r} does not exist; give a .json/.jsonl/"
             ".parquet file, a dataset directory, a hub name or 'embedded'"
         )
-
-
-def load_conversations(source: str, split: str = "train") -> list[dict]:
-    """Rows of a local json/jsonl/parquet file, a local dataset directory or a hub dataset."""
-    check_source(source)
-    path = Path(source).expanduser()
-    if path.is_file():
-        try:
-            ds = datasets.load_dataset(
-                FILE_BUILDERS[path.suffix], data_files=str(path), split="train"
-            )
-        except Exception as err:  # datasets raises StopIteration, DatasetGenerationError, ...
-            cause = err.__cause__ or err
-            raise ValueError(
-                f"data.source={source!r} could not be read as {FILE_BUILDERS[path.suffix]} "
-                f"({type(cause).__name__}: {str(cause)[:200]}); give one JSON object per line "
-                "(.jsonl), a JSON list (.json) or a parquet table, each row a conversation"
-            ) from err
-    else:
-        try:  # a local dataset directory and a hub name take the same path
-            ds = datasets.load_dataset(str(path) if path.exists() else source, split=split)
-        except (OSError, ValueError) as err:
-            raise FileNotFoundError(
-                f"data.source={source!r} (split {split!r}) could not be loaded: {err}. A hub "
-                "dataset needs network access or a populated HF cache; otherwise give a local "
-                ".json/.jsonl/.parquet file or directory, or data=default for the embedded corpus"
-            ) from err
-    rows = []
-    for i, row in enumerate(ds):
-        try:
-            messages = _messages(row, source)
-        except (KeyError, TypeError, AttributeError) as err:  # a turn that is not role/content
-            raise ValueError(
-                f"data.source={source!r} row {i}: a turn is not a {{role, content}} (OpenAI) or "
-                f"{{from, value}} (ShareGPT) object ({type(err).__name__}: {err})"
-            ) from None
-        first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
-        rows.append(
-            {
-                "messages": messages,
-                "group": f"row:{i}",
-                "category": row.get("category") or _guess_category(first_user),
-            }
-        )
-    if not rows:
-        raise ValueError(f"data.source={source!r} holds no rows (split {split!r})")
-    return rows

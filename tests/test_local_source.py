@@ -1,0 +1,219 @@
+"""A local source read and tokenized on disk (train/data/local_source.py): the rows equal a
+plain in-memory reference, every file form gives the same rows, the second preparation
+reads the cache, an interrupted one redoes only its missing shards, two processes and two
+ranks split the tokenization, a damaged row is named by its line and skipped or refused."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train.data.local_source as local_source
+from tests.helpers import ROOT, write_rows
+from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
+from train.data.local_source import json_records, read_source, text_hash
+from train.data.prepare import prepare_data
+from train.ranks import Ranks
+
+
+def conversations(n: int) -> list[dict]:
+    """Multi-turn ShareGPT rows of varied length; some without an answer, some duplicates of
+    an earlier user turn, one with a system turn."""
+    rng, rows = random.Random(1), []
+    for i in range(n):
+        turns = [{"from": "system", "value": "be brief"}] if i == 3 else []
+        for t in range(1 + i % 3):
+            pad = "x " * rng.randrange(30) if t else ""  # rows i and i + 37 open alike
+            turns.append({"from": "human", "value": f"question {i % 37}.{t} " + pad})
+            if i % 11 != 5 or t < i % 3:
+                turns.append({"from": "gpt", "value": f"answer {i}.{t} " + "y " * rng.randrange(80)})  # fmt: skip
+        rows.append({"conversations": turns, **({"category": "code"} if i % 7 == 0 else {})})
+    return rows
+
+
+def reference(tiny, rows: list[dict], seed: int, num_eval: int, max_len: int) -> tuple[list, list]:
+    """The rows prepare_data should give, computed in memory as plainly as possible."""
+    tok = tiny.tokenizer
+    template = resolve_chat_template(tok, None)
+    ends = tok.convert_ids_to_tokens(tiny.eos_token_ids)
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    convs = [
+        (i, [{"role": roles[m["from"]], "content": m["value"]} for m in r["conversations"]])
+        for i, r in enumerate(rows)
+    ]
+    random.Random(seed).shuffle(convs)
+    evals, train = [], []
+    for i, msgs in convs:
+        first = next(n + 1 for n, m in enumerate(msgs) if m["role"] == "user")
+        prompt = msgs[:first]
+        prompt_len = len(tokenize_conversation(tok, prompt, True, ends, template)[0])
+        fresh = all(prompt[-1]["content"] != e[-1]["content"] for e in evals)
+        if len(evals) < num_eval and fresh and prompt_len <= max_len // 2:
+            evals.append(prompt)
+        else:
+            train.append((i, msgs))
+    texts = {e[-1]["content"] for e in evals}
+    out = []
+    for i, msgs in train:
+        if any(m["role"] == "user" and m["content"] in texts for m in msgs):
+            continue
+        answers = [n for n, m in enumerate(msgs) if m["role"] == "assistant"]
+        if not answers or answers[-1] == 0 or msgs[answers[-1] - 1]["role"] == "assistant":
+            continue
+        ids, flags = tokenize_conversation(tok, msgs, False, ends, template)
+        ids, mask = ids[:max_len], shift_mask(flags[:max_len])
+        if any(mask):
+            out.append((f"row:{i}", ids, mask))
+    return evals, out
+
+
+def prepared_rows(data) -> list[tuple]:
+    return list(zip(data.train["group"], data.train["input_ids"], data.train["loss_mask"]))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("local")
+    rows = conversations(60)
+    return tmp, rows, write_rows(tmp / "chat.jsonl", rows)
+
+
+def test_rows_equal_an_in_memory_reference(tiny, source):
+    tmp, rows, path = source
+    data = prepare_data(tiny, source=str(path), num_train=None, num_eval=4, max_len=96,
+                        regenerate=False, cache_dir=str(tmp / "c1"), progress=False)  # fmt: skip
+    evals, expected = reference(tiny, rows, seed=0, num_eval=4, max_len=96)
+    assert [p["messages"] for p in data.eval_prompts] == evals
+    assert prepared_rows(data) == expected
+    assert data.stats["dropped_eval_duplicates"] > 0 and data.stats["truncated"] > 0
+    labels = [ids[t + 1] for _, ids, mask in expected for t in range(len(ids) - 1) if mask[t]]
+    assert data.token_counts.tolist() == np.bincount(labels, minlength=tiny.vocab_size).tolist()
+    assert data.stats["streams"]["source"]["trained_tokens"] == len(labels)
+
+
+def test_every_file_form_gives_the_same_rows(tiny, source):
+    tmp, rows, path = source
+    array = tmp / "chat.json"  # one pretty-printed JSON array: elements span lines
+    array.write_text(json.dumps(rows, indent=2))
+    parquet = write_rows(tmp / "chat.parquet", rows)
+    common = dict(num_eval=4, max_len=96, regenerate=False, progress=False)
+    got = [
+        prepare_data(tiny, source=str(p), cache_dir=str(tmp / "c2"), **common)
+        for p in (path, array, parquet)
+    ]
+    assert [prepared_rows(d) for d in got] == [prepared_rows(got[0])] * 3
+    # The array's rows are named by the line their element starts on.
+    starts = [n + 1 for n, line in enumerate(array.read_text().split("\n")) if line == "  {"]
+    assert [line for line, _ in json_records(array)] == starts and len(starts) == 60
+
+
+def test_second_preparation_reads_the_cache_and_resumes_missing_shards(tiny, source, monkeypatch):
+    tmp, rows, path = source
+    monkeypatch.setattr(local_source, "SHARD_ROWS", 8)  # 60 rows: 8 shards
+    common = dict(source=str(path), num_eval=4, max_len=96, regenerate=False, progress=False,
+                  cache_dir=str(tmp / "c3"), num_proc=1)  # fmt: skip
+    first = prepare_data(tiny, **common)
+    written = []
+    real = local_source.tokenize_shard
+    monkeypatch.setattr(local_source, "tokenize_shard", lambda job: written.append(job[1]) or real(job))  # fmt: skip
+    assert prepared_rows(prepare_data(tiny, **common)) == prepared_rows(first)
+    assert written == []  # warm: nothing tokenized again
+    shards = sorted((tmp / "c3" / "data" / "tokenized").glob("*/rows-*.arrow"))
+    assert len(shards) == 8
+    shards[5].unlink()  # as if the preparation had stopped before this shard
+    assert prepared_rows(prepare_data(tiny, **common)) == prepared_rows(first)
+    assert written == [str(shards[5])]
+    prepare_data(tiny, **{**common, "max_len": 64})  # other settings: another key, all shards
+    assert len(written) == 1 + 8
+
+
+def test_two_processes_give_the_rows_of_one(tiny, source, monkeypatch):
+    tmp, rows, path = source
+    monkeypatch.setattr(local_source, "SHARD_ROWS", 16)
+    common = dict(source=str(path), num_eval=4, max_len=96, regenerate=False, progress=False)
+    one = prepare_data(tiny, **common, num_proc=1, cache_dir=str(tmp / "p1"))
+    two = prepare_data(tiny, **common, num_proc=2, cache_dir=str(tmp / "p2"))
+    assert prepared_rows(two) == prepared_rows(one)
+
+
+RANK_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+import train.data.local_source as ls
+from models.target_loaders import build_tiny_random
+from train.data.prepare import prepare_data
+from train.ranks import Ranks
+
+dist.init_process_group("gloo")
+ls.SHARD_ROWS = 8
+written, real = [], ls.tokenize_shard
+ls.tokenize_shard = lambda job: written.append(int(job[1][-11:-6])) or real(job)
+data = prepare_data(build_tiny_random(seed=0, device="cpu"), source=sys.argv[1], num_eval=4,
+                    max_len=96, regenerate=False, progress=False, cache_dir=sys.argv[2],
+                    num_proc=1, ranks=Ranks.current())
+out = {"written": written, "groups": list(data.train["group"]), "ids": list(data.train["input_ids"])}
+open(sys.argv[3] + f".{dist.get_rank()}", "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_split_the_tokenization(tiny, source):
+    tmp, rows, path = source
+    script = tmp / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(path), str(tmp / "r2"), str(tmp / "out")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp / f"out.{r}").read_text()) for r in range(2)]
+    assert sorted(ranks[0]["written"]) == [0, 2, 4, 6] and sorted(ranks[1]["written"]) == [1, 3, 5, 7]  # fmt: skip
+    data = prepare_data(tiny, source=str(path), num_eval=4, max_len=96, regenerate=False,
+                        progress=False, cache_dir=str(tmp / "r1"))  # fmt: skip
+    for r in ranks:
+        assert (r["groups"], r["ids"]) == (list(data.train["group"]), list(data.train["input_ids"]))
+
+
+def test_a_damaged_row_is_named_by_its_line_and_skipped_or_refused(tiny, tmp_path):
+    rows = [json.dumps(r) for r in conversations(30)]
+    rows[17] = rows[17][:40]  # cut off mid-row
+    rows[22] = json.dumps({"conversations": [{"from": "robot", "value": "hi"}]})
+    path = tmp_path / "broken.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    data = prepare_data(tiny, source=str(path), num_eval=2, regenerate=False, progress=False,
+                        cache_dir=str(tmp_path / "c"))  # fmt: skip
+    assert data.stats["bad_rows"] == 2 and data.stats["source_rows"] == 30
+    assert data.stats["bad_rows_first"][0].startswith("line 18: not JSON")
+    assert data.stats["bad_rows_first"][1].startswith("line 23: ") and "robot" in data.stats["bad_rows_first"][1]  # fmt: skip
+    assert not {"row:17", "row:22"} & set(data.train["group"])  # rows 17, 22: lines 18, 23
+    for cache in ("c", "c2"):  # refused, whether read before (with skip) or not
+        with pytest.raises(ValueError, match=r"line 18: not JSON"):
+            prepare_data(tiny, source=str(path), num_eval=2, regenerate=False, progress=False,
+                         cache_dir=str(tmp_path / cache), bad_rows="refuse")  # fmt: skip
+    assert not list((tmp_path / "c2").rglob("*.arrow"))  # nothing half-written
+
+
+def test_a_broken_row_at_90000_of_100000_is_skipped(tmp_path):
+    """Read alone (tokenizing 10^5 rows is the benchmark's work): the row is named, the
+    other 99 999 are kept, in order."""
+    path = tmp_path / "big.jsonl"
+    row = '{"messages": [{"role": "user", "content": "q%d"}, {"role": "assistant", "content": "a"}]}\n'  # fmt: skip
+    with path.open("w") as f:
+        for i in range(100_000):
+            f.write('{"messages": [{"role": "user", "con\n' if i == 89_999 else row % i)
+    convs, info, _ = read_source(str(path), "train", "skip", tmp_path / "c", Ranks(), False)
+    assert (len(convs), info["bad_rows"]) == (99_999, 1)
+    assert info["bad_rows_first"][0].startswith("line 90000: not JSON")
+    assert (convs[89_999]["index"], convs[89_999]["where"]) == (90_000, 90_001)
+    assert convs[89_999]["user_hashes"] == [text_hash("q90000")]
+
+
+def test_a_damaged_json_array_is_refused_at_its_line(tiny, tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('[\n{"messages": []},\n{"messages": [}\n]\n')
+    with pytest.raises(ValueError, match=r"line 3: not JSON .* cannot be skipped"):
+        list(json_records(path))
