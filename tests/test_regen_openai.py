@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import train.loop
-from tests.helpers import compose_debug, write_rows
+from tests.helpers import ROOT, compose_debug, write_rows
 from train.data.chat import tokenize_conversation
 from train.data.prepare import prepare_data
 from train.data.regen_openai import (
@@ -234,7 +235,38 @@ def test_llama_cpp_server_answers_like_the_hf_backend(llama_server, tmp_path):
     path.write_text("".join(lines[:-2]) + lines[-2][:10])  # and a line cut by a crash
     again = prepare_data(target, **common, **openai_data(llama_server))
     assert (again.stats["regen"]["cached"], again.stats["regen"]["generated"]) == (3, 2)
-    assert again.train["input_ids"] == served.train["input_ids"]  # greedy: the same answers
+    assert list(again.train["input_ids"]) == list(served.train["input_ids"])  # greedy: the same
+
+    # Two ranks: each sends its share and writes its own shard; both get the rows of one.
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(url=llama_server, src=src, cache=tmp_path / "two"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        out = json.loads((tmp_path / "two" / f"rank{rank}.json").read_text())
+        assert out["ids"] == list(served.train["input_ids"])
+        assert sorted(out["by_rank"]) == [2, 3]  # 5 prompts: 3 and 2 requests
+
+
+TWO_RANKS = """
+import json, torch.distributed as dist
+from pathlib import Path
+from models.target_loaders import load_smollm2
+from tests.test_regen_openai import openai_data
+from train.data.prepare import prepare_data
+from train.ranks import Ranks
+
+dist.init_process_group("gloo")
+data = prepare_data(load_smollm2(dtype="float32", device="cpu"), source="{src}", num_eval=0,
+                    max_new_tokens=24, max_len=256, cache_dir="{cache}", progress=False,
+                    ranks=Ranks.current(), **openai_data("{url}"))
+out = {{"ids": list(data.train["input_ids"]), "by_rank": data.stats["regen"]["by_rank"]}}
+Path("{cache}", f"rank{{dist.get_rank()}}.json").write_text(json.dumps(out))
+dist.destroy_process_group()
+"""
 
 
 def test_max_failed_share_is_a_share():

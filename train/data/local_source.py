@@ -377,10 +377,11 @@ def tokenize_rows(
 
 def pick_rows(
     rows: datasets.Dataset, order: list[int], num_train: int | None, num_reference: int, stats: dict
-) -> list[datasets.Dataset]:
+) -> tuple[list[datasets.Dataset], np.ndarray]:
     """From the tokenized rows, in `order`, the usable ones: the first `num_train` (None: all;
     memory-mapped, stream "source") and the next `num_reference` (stream "reference", in
-    Arrow memory). `stats` counts the unusable rows by reason and the truncated ones."""
+    Arrow memory), and the former's indices. `stats` counts the unusable rows by reason and
+    the truncated ones."""
     order = np.asarray(order, dtype=np.int64)
     status = np.asarray(rows.data.column("status"))[order]
     for code, name in STATUS_STATS.items():
@@ -395,18 +396,7 @@ def pick_rows(
         at = table.schema.get_field_index("stream")
         table = table.set_column(at, "stream", pa.array(["reference"] * len(table), pa.string()))
         parts.append(datasets.Dataset(InMemoryTable(table)))
-    return parts
-
-
-def label_counts(rows: datasets.Dataset, vocab_size: int) -> np.ndarray:
-    """[V] counts of trained labels (input_ids[t+1] where loss_mask[t]), a batch at a time."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for batch in rows.select_columns(["input_ids", "loss_mask"]).with_format("arrow").iter(10_000):
-        ids = pc.list_flatten(batch["input_ids"]).to_numpy().astype(np.int64)
-        mask = pc.list_flatten(batch["loss_mask"]).to_numpy().astype(bool)
-        # A row's last mask entry is 0 (shift_mask), so flat neighbours never cross rows.
-        counts += np.bincount(ids[1:][mask[:-1]], minlength=vocab_size)[:vocab_size]
-    return counts
+    return parts, main
 
 
 def held_out_split(
@@ -451,21 +441,54 @@ def row_sums(column: pa.ChunkedArray | pa.ListArray) -> np.ndarray:
     return running[offsets[1:] - offsets[0]] - running[offsets[:-1] - offsets[0]]
 
 
-def row_stats(rows: datasets.Dataset) -> tuple[dict[str, dict], int, dict[str, int]]:
-    """Per stream its rows, tokens and trained tokens; the longest row; rows per category."""
-    streams: dict[str, dict] = {}
-    longest, categories = 0, {}
-    columns = rows.select_columns(["input_ids", "loss_mask", "stream", "category"])
-    for batch in columns.with_format("arrow").iter(10_000):
+class RowScan:
+    """Trained label counts, per-stream rows / tokens / trained tokens, the longest row and
+    rows per category, summed over batches of rows (Arrow tables or record batches)."""
+
+    def __init__(self, vocab_size: int):
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
+        self.streams: dict[str, dict] = {}
+        self.longest, self.categories = 0, {}
+
+    def add(self, batch: pa.Table | pa.RecordBatch, stream: str | None = None) -> None:
+        """One batch; its rows' stream is `stream`, or its `stream` column's."""
+        if not batch.num_rows:
+            return
+        ids = pc.list_flatten(batch["input_ids"]).to_numpy().astype(np.int64)
+        mask = pc.list_flatten(batch["loss_mask"]).to_numpy().astype(bool)
+        # A row's last mask entry is 0 (shift_mask), so flat neighbours never cross rows.
+        labels = ids[1:][mask[:-1]]
+        self.counts += np.bincount(labels, minlength=len(self.counts))[: len(self.counts)]
         lengths = pc.list_value_length(batch["input_ids"]).to_numpy()
-        trained, names = row_sums(batch["loss_mask"]), np.array(batch["stream"].to_pylist())
-        longest = max(longest, int(lengths.max()))
+        trained = row_sums(batch["loss_mask"])
+        names = np.array([stream] * batch.num_rows if stream else batch["stream"].to_pylist())
+        self.longest = max(self.longest, int(lengths.max()))
         for name in dict.fromkeys(names.tolist()):
             at = names == name
-            st = streams.setdefault(name, {"rows": 0, "tokens": 0, "trained_tokens": 0})
+            st = self.streams.setdefault(name, {"rows": 0, "tokens": 0, "trained_tokens": 0})
             st["rows"] += int(at.sum())
             st["tokens"] += int(lengths[at].sum())
             st["trained_tokens"] += int(trained[at].sum())
         for count in pc.value_counts(batch["category"]).to_pylist():
-            categories[count["values"]] = categories.get(count["values"], 0) + count["counts"]
-    return streams, longest, dict(sorted(categories.items()))
+            self.categories[count["values"]] = self.categories.get(count["values"], 0) + count["counts"]  # fmt: skip
+
+    def add_dataset(self, rows: datasets.Dataset) -> None:
+        for batch in rows.with_format("arrow").iter(10_000):
+            self.add(batch)
+
+    def add_shards(self, files: list[Path], picked: np.ndarray, stream: str) -> None:
+        """The rows `picked` (global indices over `files`, in order) of tokenized shards,
+        read a record batch at a time into memory that is freed after it: a scan of 10^6
+        rows does not map the whole files into this process."""
+        picked = np.sort(picked)
+        start = 0
+        for path in files:
+            with pa.OSFile(str(path)) as f:
+                for batch in pa.ipc.open_stream(f):
+                    end = start + batch.num_rows
+                    lo, hi = np.searchsorted(picked, [start, end])
+                    if hi > lo:
+                        keep = np.zeros(batch.num_rows, dtype=bool)
+                        keep[picked[lo:hi] - start] = True
+                        self.add(batch.filter(pa.array(keep)), stream)
+                    start = end

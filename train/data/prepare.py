@@ -29,11 +29,10 @@ from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversa
 from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
 from train.data.local_source import (
     ROW_FEATURES,
+    RowScan,
     held_out_split,
-    label_counts,
     pick_rows,
     read_source,
-    row_stats,
     tokenize_rows,
 )
 from train.data.raw_chunks import raw_chunks_for
@@ -330,10 +329,10 @@ def prepare_data(
             "seconds": round(sum(r["seconds"] for r in rounds), 2), "by_round": rounds,
         }  # fmt: skip
 
-    local_parts = []  # a local source's rows, tokenized whole on disk (train/data/local_source.py)
+    local_parts, local_main = [], None  # a local source's rows, tokenized on disk
     if local_rows is not None:
         num_local = 0 if regenerate else num_train
-        local_parts = pick_rows(local_rows, local_order[local_used:], num_local, num_reference, stats)  # fmt: skip
+        local_parts, local_main = pick_rows(local_rows, local_order[local_used:], num_local, num_reference, stats)  # fmt: skip
         if num_reference and len(local_parts[-1]) < num_reference:
             raise ValueError(
                 f"data.num_reference={num_reference}: data.source={source!r} has only "
@@ -395,7 +394,14 @@ def prepare_data(
             "data.max_len"
         )
 
-    counts = torch.from_numpy(label_counts(train, target.vocab_size))  # [V] trained labels
+    scan = RowScan(target.vocab_size)  # counts, streams, lengths: one pass, part by part
+    for i, part in enumerate(parts):
+        if i == 1 and local_main is not None:  # the rows on disk, read without mapping them
+            shards = [Path(f["filename"]) for f in local_rows.cache_files]
+            scan.add_shards(shards, local_main, "source")
+        else:
+            scan.add_dataset(part)
+    counts = torch.from_numpy(scan.counts)  # [V] trained labels
     eval_prompts = [
         {
             "category": c["category"],
@@ -405,7 +411,7 @@ def prepare_data(
         }
         for c in eval_convs
     ]
-    streams, longest, categories = row_stats(train)
+    streams, longest, categories = scan.streams, scan.longest, dict(sorted(scan.categories.items()))
     train_tokens = sum(s["tokens"] for s in streams.values())
     stats.update(
         {
