@@ -132,7 +132,9 @@ def test_data_reading_settings_are_refused_before_the_target_loads(tmp_path, set
 def test_sources_without_usable_conversations_fail_clearly(tiny, tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"messages": [\nnot json\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl' holds no readable conversation .*line 1: not JSON"):
+    with pytest.raises(
+        ValueError, match=r"bad\.jsonl' holds no readable conversation .*line 1: not JSON"
+    ):
         prepare_data(tiny, source=str(bad_json), regenerate=False, progress=False)
     odd_turns = write_rows(tmp_path / "turns.jsonl", [{"messages": ["hi", "there"]}])
     with pytest.raises(ValueError, match=r"line 1: a turn is not a \{role, content\}"):

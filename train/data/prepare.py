@@ -27,18 +27,12 @@ from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.target import Target
 from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
 from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
-from train.data.local_source import (
-    ROW_FEATURES,
-    RowScan,
-    held_out_split,
-    pick_rows,
-    read_source,
-    tokenize_rows,
-)
+from train.data.local_source import ROW_FEATURES, read_source, tokenize_rows
 from train.data.raw_chunks import raw_chunks_for
 from train.data.regen_openai import check_backend_settings, regenerate_openai
 from train.data.regenerate import default_cache_root
 from train.data.regenerate import regenerate as regenerate_responses
+from train.data.row_selection import RowScan, held_out_split, pick_rows
 from train.data.turns import regenerate_every_turn
 from train.ranks import Ranks
 
