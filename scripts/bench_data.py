@@ -31,11 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from models.dtype_choice import machine_key
+from train.data.corpus import play_files, play_speeches, stdlib_files
 
-from models.dtype_choice import machine_key  # noqa: E402
-from train.data.corpus import play_files, play_speeches, stdlib_files  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ASKS = (
     "Explain what this does:\n\n{t}",
