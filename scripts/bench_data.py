@@ -1,7 +1,7 @@
 """Data preparation at real size: a synthetic multi-turn set, prepared cold and warm.
 
     python scripts/bench_data.py --rows 100000 --out docs/reports/bench_data/rows100k.json
-    python scripts/bench_data.py --rows 100000 --formats jsonl parquet --runs cold warm
+    python scripts/bench_data.py --rows 100000 --formats jsonl json parquet dir --runs cold warm
 
 Builds a synthetic ShareGPT file of --rows multi-turn conversations from the embedded
 corpus (stdlib source and Shakespeare's plays: 1-3 user/assistant turn pairs, ~330
@@ -71,7 +71,15 @@ def synthetic_rows(rows: int, seed: int = 0):
 
 
 def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
-    """The synthetic set as .jsonl, .json (one array) or .parquet, by `path`'s suffix."""
+    """The synthetic set as .jsonl, .json (one array), .parquet, or (.dir) a dataset
+    directory holding it as train.parquet (read through `datasets.load_dataset`)."""
+    if path.suffix == ".dir":
+        tmp = path.with_suffix(".dir.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write_rows(tmp / "train.parquet", rows, seed)
+        tmp.rename(path)
+        return path
     tmp = path.with_suffix(path.suffix + ".tmp")
     if path.suffix == ".parquet":
         import pyarrow as pa
@@ -127,7 +135,7 @@ def run_once(source: Path, cache: Path, run_dir: Path, extra: list[str]) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=100_000)
-    ap.add_argument("--formats", nargs="+", default=["jsonl"], choices=["jsonl", "json", "parquet"])
+    ap.add_argument("--formats", nargs="+", default=["jsonl"], choices=["jsonl", "json", "parquet", "dir"])
     ap.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the set and caches go (default: tmp)")

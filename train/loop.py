@@ -42,6 +42,7 @@ from train.report.tracking import RunLog, finish_tracking, init_tracking
 from train.run_files import (
     check_run_dir,
     clear_run,
+    route_third_party_output,
     save_hydra_record,
     write_atomic,
     write_eval_prompts,
@@ -186,6 +187,7 @@ def train_run(cfg: DictConfig) -> dict:
         data = OmegaConf.to_container(cfg.data, resolve=True)  # its eval prompts, beside it:
         write_eval_prompts(run_dir, prepared.eval_prompts, data)  # scripts/evaluate.py reads them
         save_hydra_record(run_dir, cfg)
+    route_third_party_output(run_dir)  # inductor's autotuning tables, warnings: a log file
     log = RunLog(run_dir, accelerator, start_step if resume_from is not None else None)
     init_tracking(accelerator, cfg, run_dir)
     records = RunRecords.resumed(

@@ -11,6 +11,8 @@
 - `write_eval_prompts` / `read_eval_prompts`: the run's held-out eval prompts (token ids
   included) with the data settings that chose them, so scripts/evaluate.py decodes them
   without preparing the data again (which may regenerate the whole training set).
+- `route_third_party_output`: inductor's autotuning tables and library warnings into the
+  run's third_party.log, not the console (which says once where they went).
 - `save_hydra_record`: Hydra's own record of the command line (`.hydra/config.yaml`,
   `hydra.yaml`, `overrides.yaml`). conf/train.yaml keeps Hydra from creating the run
   directory at launch (`hydra.run.dir: .`, `hydra.output_subdir: null`, console-only job
@@ -19,9 +21,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -33,7 +37,9 @@ EVAL_PROMPTS = "eval_prompts.json"
 # data.* settings that do not choose or render the eval prompts (how the training prompts are
 # answered, where things are cached): a change of these leaves a run's stored prompts valid.
 NOT_EVAL_SETTINGS = ("progress", "cache_dir", "max_new_tokens", "temperature", "top_p",
-                     "max_failed_share", "num_reference", "num_raw_chunks")  # fmt: skip
+                     "max_failed_share", "num_reference", "num_raw_chunks", "regenerate_turns",
+                     "bad_rows", "num_proc")  # fmt: skip
+THIRD_PARTY_LOG = "third_party.log"
 
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -111,3 +117,44 @@ def save_hydra_record(run_dir: Path, task_cfg) -> None:
     write_atomic(out / "config.yaml", OmegaConf.to_yaml(task_cfg))
     write_atomic(out / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
     write_atomic(out / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.overrides.task))
+
+
+def route_third_party_output(run_dir: Path) -> Path:
+    """Inductor's AUTOTUNE tables (written to stderr by select_algorithm's `log_results`, dozens
+    of lines per compiled matmul) and Python warnings go to run_dir/third_party.log; the first
+    of them prints one console line naming the file. Returns the file's path."""
+    path, told = Path(run_dir) / THIRD_PARTY_LOG, []
+
+    def tell() -> None:
+        if not told:
+            told.append(True)
+            print(f"[draftlab] third-party output (autotuning tables, warnings): {path}", flush=True)  # fmt: skip
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        with path.open("a") as f:
+            f.write(warnings.formatwarning(message, category, filename, lineno, line))
+        tell()
+
+    warnings.showwarning = show
+    try:
+        from torch._inductor.select_algorithm import AlgorithmSelectorCache
+    except ImportError:  # no inductor in this torch: nothing of it to route
+        return path
+    original = AlgorithmSelectorCache.log_results
+    if getattr(original, "routed_to", None) is None:  # not yet wrapped in this process
+
+        def routed(*args, **kwargs):
+            try:
+                log = routed.routed_to.open("a")
+            except OSError:  # that run's directory is gone: the console, as before
+                return original(*args, **kwargs)
+            with log, contextlib.redirect_stderr(log):
+                out = original(*args, **kwargs)
+            if routed.routed_to.stat().st_size:
+                routed.tell()
+            return out
+
+        AlgorithmSelectorCache.log_results = staticmethod(routed)
+    wrapped = AlgorithmSelectorCache.log_results
+    wrapped.routed_to, wrapped.tell = path, tell  # a later run: its own directory
+    return path
