@@ -18,11 +18,17 @@ def test_autotune_tables_and_warnings_go_to_the_log(tmp_path, monkeypatch, capsy
 
     cls = select_algorithm.AlgorithmSelectorCache
     monkeypatch.setattr(cls, "log_results", staticmethod(fake_log_results))
+    def console(message, category, filename, lineno, file=None, line=None):  # Python's own
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
     with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = console  # (pytest records warnings instead of showing them)
         path = route_third_party_output(tmp_path)
         cls.log_results("mm", [], {}, 0.1, 0.1)
-        warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning, stacklevel=1)
+        warnings.warn_explicit("`is_gradient_checkpointing` is deprecated", FutureWarning,
+                               "/venv/site-packages/transformers/modeling_utils.py", 3312)
+        warnings.warn("a damaged feature cache", UserWarning, stacklevel=1)  # ours: shown
         cls.log_results("addmm", [], {}, 0.1, 0.1)
         captured = capsys.readouterr()
     assert path == tmp_path / THIRD_PARTY_LOG
@@ -30,6 +36,7 @@ def test_autotune_tables_and_warnings_go_to_the_log(tmp_path, monkeypatch, capsy
     assert "AUTOTUNE mm(4x4, 4x4)" in text and "AUTOTUNE addmm" in text
     assert "FutureWarning: `is_gradient_checkpointing` is deprecated" in text
     assert "AUTOTUNE" not in captured.err and "is_gradient_checkpointing" not in captured.err
+    assert "a damaged feature cache" in captured.err and "damaged" not in text
     assert captured.out.count(f"third-party output (autotuning tables, warnings): {path}") == 1
     # A second run in this process writes into its own directory.
     other = tmp_path / "other"

@@ -40,6 +40,7 @@ NOT_EVAL_SETTINGS = ("progress", "cache_dir", "max_new_tokens", "temperature", "
                      "max_failed_share", "num_reference", "num_raw_chunks", "regenerate_turns",
                      "bad_rows", "num_proc")  # fmt: skip
 THIRD_PARTY_LOG = "third_party.log"
+PROJECT = str(Path(__file__).resolve().parents[1])  # warnings from here stay on the console
 
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -121,8 +122,9 @@ def save_hydra_record(run_dir: Path, task_cfg) -> None:
 
 def route_third_party_output(run_dir: Path) -> Path:
     """Inductor's AUTOTUNE tables (written to stderr by select_algorithm's `log_results`, dozens
-    of lines per compiled matmul) and Python warnings go to run_dir/third_party.log; the first
-    of them prints one console line naming the file. Returns the file's path."""
+    of lines per compiled matmul) and the warnings of other packages go to
+    run_dir/third_party.log (draftlab's own warnings stay on the console); the first of them
+    prints one console line naming the file. Returns the file's path."""
     path, told = Path(run_dir) / THIRD_PARTY_LOG, []
 
     def tell() -> None:
@@ -130,11 +132,16 @@ def route_third_party_output(run_dir: Path) -> Path:
             told.append(True)
             print(f"[draftlab] third-party output (autotuning tables, warnings): {path}", flush=True)  # fmt: skip
 
+    console = getattr(warnings.showwarning, "console", warnings.showwarning)
+
     def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if str(filename).startswith(PROJECT) and "site-packages" not in str(filename):
+            return console(message, category, filename, lineno, file, line)  # our own: shown
         with path.open("a") as f:
             f.write(warnings.formatwarning(message, category, filename, lineno, line))
         tell()
 
+    show.console = console
     warnings.showwarning = show
     try:
         from torch._inductor.select_algorithm import AlgorithmSelectorCache
