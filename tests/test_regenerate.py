@@ -165,10 +165,13 @@ def test_streamed_answers_equal_each_prompts_greedy_output(arch):
         stop = next((i for i, t in enumerate(tokens) if t in eos), None)
         return tokens if stop is None else tokens[: stop + 1]
 
-    ended = []
+    ended, decoded = [], []
     answers = answer_prompts(target, prompts, 20, GREEDY, eos, pad_id=0, slots=2,
-                             on_answer=lambda i, a: ended.append((i, list(a))))  # fmt: skip
+                             on_answer=lambda i, a: ended.append((i, list(a))),
+                             on_token=lambda: decoded.append(len(ended)))  # fmt: skip
     assert answers == [cut(t) for t in free]
+    # Every decoded token counted once, as it is decoded (before its answer ends).
+    assert len(decoded) == sum(len(a) for a in answers) and decoded[-1] < len(answers)
     assert len({len(a) for a in answers}) > 1  # answers of different lengths: slots refilled
     assert sorted(ended) == list(enumerate(answers))
 

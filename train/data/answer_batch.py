@@ -131,9 +131,11 @@ def answer_prompts(
     slots: int = 64,
     seeds: list[int] | None = None,  # per prompt, for sampling (default: its index)
     on_answer: Callable[[int, list[int]], None] | None = None,  # (prompt index, answer)
+    on_token: Callable[[], None] | None = None,  # each token decoded, answers in flight too
 ) -> list[list[int]]:
     """The new tokens of each prompt's answer, its EOS included where the target ended it;
-    `on_answer` is called as each answer ends (so a caller can save it at once)."""
+    `on_answer` is called as each answer ends (so a caller can save it at once), `on_token`
+    as each token is decoded (a progress bar's rate: finished answers alone lag behind)."""
     device = target.device
     slots = max(1, min(slots, len(prompts)))
     max_len = max(len(p) for p in prompts) + max_new_tokens
@@ -157,6 +159,8 @@ def answer_prompts(
         """Append the slot's token; True while its answer goes on (else the slot is freed)."""
         i = owner[slot]
         answers[i].append(token)
+        if on_token is not None:
+            on_token()
         if token in ends or len(answers[i]) == max_new_tokens:
             owner[slot] = -1
             generators.pop(i, None)

@@ -279,8 +279,13 @@ def regenerate(
                 out.flush()
                 stats["new_tokens"] += len(ids)
                 stats["generated"] += 1
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{stats['new_tokens'] / (time.perf_counter() - t0):.0f}")
+                bar.update(1)  # the rate counts every decoded token, in-flight answers' too
+                bar.set_postfix(tok_s=f"{decoded[0] / (time.perf_counter() - t0):.0f}")
+
+            decoded = [0]
+
+            def count() -> None:
+                decoded[0] += 1
 
             # Each prompt's own generator (sampling): its answer does not depend on which
             # slot, batch or rank answers it, and the caller's random stream (a run's draft
@@ -289,7 +294,7 @@ def regenerate(
                 answering, [prompts[i] for i in share], max_new_tokens,
                 Sampling(temperature=temperature, top_p=top_p), sorted(eos), pad_id,
                 slots=batch_size, seeds=[seed + int(keys[i], 16) % 2**62 for i in share],
-                on_answer=save,
+                on_answer=save, on_token=count,
             )  # fmt: skip
         bar.close()
         stats["seconds"] = round(time.perf_counter() - t0, 2)
