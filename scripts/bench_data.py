@@ -85,15 +85,8 @@ def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        batch, writer = [], None
-        for row in synthetic_rows(rows, seed):
-            batch.append(row)
-            if len(batch) == 10_000:
-                table = pa.Table.from_pylist(batch)
-                writer = writer or pq.ParquetWriter(tmp, table.schema)
-                writer.write_table(table)
-                batch = []
-        if batch:
+        rows_iter, writer = synthetic_rows(rows, seed), None
+        while batch := [row for _, row in zip(range(10_000), rows_iter)]:
             table = pa.Table.from_pylist(batch)
             writer = writer or pq.ParquetWriter(tmp, table.schema)
             writer.write_table(table)
