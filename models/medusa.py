@@ -16,15 +16,17 @@ compute per step. At decode time a shared head also lets all k heads go through 
 large share of a token's cost (docs/design.md §5). `copy` is there for paper-faithful runs
 and larger machines.
 
-Medusa-2 (`medusa2=True`): joint training with a LoRA adapter (peft) on a private copy of
-the target's backbone. The training loop keeps running the frozen original target under
+Medusa-2 (`medusa2=True`): joint training with a LoRA adapter (peft) on the target's
+backbone: new modules over the target's own frozen weight tensors (no second copy), the
+LoRA matrices float32 whatever the target's dtype. The training loop keeps running the frozen original target under
 no-grad; its logits are the teacher for every head AND for the adapted backbone's own
 next-token prediction (lm_loss_weight * KL(p_target || p_adapted) over all real tokens,
 computed by the training step from `DraftOutput.adapted_logits`: train/step_stats.py),
 which keeps the adapted model's outputs where they were. The heads read the
 adapted hidden state. The copy's frozen base weights are dropped from `state_dict`, so a
 checkpoint holds only the heads and the LoRA matrices. At decode time `decoding_target()`
-gives the adapted model (LoRA merged) to verify with; verifying with the original target
+gives the adapted model to verify with (again over the decoding target's own weights, the
+LoRA beside them, not merged); an export merges it into a copy (`merged_causal_lm`); verifying with the original target
 still works (the LoRA is kept close to it) but the heads then read slightly different
 features from the ones they were trained on.
 
@@ -159,27 +161,58 @@ class MedusaHeads(nn.Module):
     def set_progress(self, progress: float) -> None:
         """No schedule of its own: training progress changes nothing here."""
 
-    # -- Medusa-2 at decode time --------------------------------------------------
+    # -- Medusa-2 at decode time and export --------------------------------------
     @torch.no_grad()
     def decoding_target(self, target: Target) -> Target:
-        """The target the decoder verifies with: `target` itself for Medusa-1; for Medusa-2 a
-        new Target whose backbone is the adapted one with LoRA merged, so drafts are judged
-        against (and lossless with respect to) the adapted target."""
+        """The target the decoder verifies with: `target` itself for Medusa-1; for Medusa-2
+        the adapted target over `target`'s own weights (new modules, the same tensors, this
+        draft's LoRA beside them in float32, not merged): no copy of the target or of the
+        backbone, and drafts are judged against (lossless with respect to) the adapted
+        target."""
         if self.adapted is None:
             return target
+        from peft import inject_adapter_in_model
+
+        model = shared_copy(target.model)
+        model.model = inject_adapter_in_model(copy.deepcopy(self.lora_config), model.model)
+        float32_lora(model.model)
+        lora = {k: v for k, v in self.adapted.state_dict().items() if "lora_" in k}
+        _, unexpected = model.model.load_state_dict(lora, strict=False)
+        if unexpected or len(lora) != sum("lora_" in k for k in model.model.state_dict()):
+            raise ValueError(f"Medusa-2's LoRA does not fit the target {target.name}")
+        return Target(model, target.tokenizer, name=f"{target.name}+medusa2-lora")
+
+    @torch.no_grad()
+    def merged_causal_lm(self, target: Target) -> nn.Module:
+        """Medusa-2's adapted target as a plain HF causal LM, LoRA merged into a copy of
+        the target's weights (an export writes it: train/formats/export.py)."""
         model = copy.deepcopy(target.model)
         backbone = copy.deepcopy(self.adapted)
         for module in backbone.modules():
             if hasattr(module, "merge") and hasattr(module, "lora_A"):
                 module.merge()
         state = {
-            k.replace(".base_layer", ""): v
+            k.replace(".base_layer", ""): v.to(target.dtype)
             for k, v in backbone.state_dict().items()
             if "lora_" not in k
         }
         model.model.load_state_dict(state, strict=True)
-        model = cast_keep_rotary(model, target.dtype)  # float32 rotary, as in `target`
-        return Target(model, target.tokenizer, name=f"{target.name}+medusa2-lora")
+        return cast_keep_rotary(model, target.dtype)  # float32 rotary, as in `target`
+
+
+def shared_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module`'s structure whose parameters and buffers are `module`'s own tensors
+    (a deepcopy memo maps each to itself): no weight is copied."""
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+def float32_lora(module: nn.Module) -> None:
+    """LoRA matrices in float32 whatever the base's dtype (peft gives them the base layer's):
+    AdamW then updates float32 weights, and peft's forward casts the input to them."""
+    for name, param in module.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.float()
 
 
 def _is_frozen_backbone_key(key: str) -> bool:
@@ -218,8 +251,9 @@ def from_target(
         # peft only for Medusa-2: its import is slow, and Medusa-1 never needs it.
         from peft import LoraConfig, inject_adapter_in_model
 
-        # A private copy: the loop's target stays frozen and is the teacher for the adapter.
-        adapted = copy.deepcopy(target.model.model).requires_grad_(False)
+        # The backbone's modules copied, its weights the target's own tensors (frozen, never
+        # a second copy); the loop's target stays as it was and is the adapter's teacher.
+        adapted = shared_copy(target.model.model)
         config = LoraConfig(
             r=lora_rank,
             lora_alpha=lora_alpha,
@@ -227,6 +261,7 @@ def from_target(
             target_modules=list(lora_target_modules),
         )
         adapted = inject_adapter_in_model(config, adapted)
+        float32_lora(adapted)
         for name, param in adapted.named_parameters():
             param.requires_grad_("lora_" in name)
     heads = MedusaHeads(
@@ -239,4 +274,5 @@ def from_target(
         adapted_backbone=adapted,
         lm_loss_weight=lm_loss_weight,
     )
+    heads.lora_config = config if medusa2 else None  # decoding_target adapts its target alike
     return heads.to(device=target.device)

@@ -128,7 +128,9 @@ def run_once(source: Path, cache: Path, run_dir: Path, extra: list[str]) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=100_000)
-    ap.add_argument("--formats", nargs="+", default=["jsonl"], choices=["jsonl", "json", "parquet", "dir"])
+    ap.add_argument(
+        "--formats", nargs="+", default=["jsonl"], choices=["jsonl", "json", "parquet", "dir"]
+    )
     ap.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the set and caches go (default: tmp)")

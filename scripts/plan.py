@@ -33,6 +33,7 @@ from train.memory_plan import (
     format_plan,
     plan_for_run,
     planned_dtype,
+    process_memory,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,8 @@ def main() -> int:
     config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
     dtype = planned_dtype(str(cfg.target.get("dtype", "float32")), cuda)
     ranks = args.gpus or 1
-    plan = plan_for_run(cfg, config, name, dtype, ranks, args.fsdp, cuda)
+    # A CPU plan counts this process as a run's baseline (the libraries a run imports too)
+    plan = plan_for_run(cfg, config, name, dtype, ranks, args.fsdp, cuda, process_memory() or 0)
     print(format_plan(plan))
     if args.gpu_mem is not None:
         memory = (int(args.gpu_mem * GIB), f"--gpu-mem {args.gpu_mem:g} GiB")

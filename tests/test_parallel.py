@@ -209,3 +209,30 @@ def test_kill_and_resume_equals_the_uninterrupted_run(two_ranks):
         assert torch.equal(have[name], ref[name]), (strategy, name)
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{resumed_at:08d}")
+
+
+def test_fsdp_gradient_accumulation_trains_like_one_process(tmp_path, single):
+    """2 ranks x 1 row x 2 micro-batches (the first without a gradient reduction) = one
+    process with batch 4; and the sharded draft started from rank 0's broadcast weights."""
+    run_dir = tmp_path / "accum"
+    run_launch("fsdp", run_dir, "train.batch_size=1", "train.grad_accum=2")
+    record = ran(run_dir)
+    assert (record["kind"], record["initial_weights"], record["mixed_precision"]) == (
+        "fsdp", "broadcast from rank 0", None)  # fmt: skip
+    ref, got = train_records(single["clipped"]), train_records(run_dir)
+    for a, b in zip(ref, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    want, have = final_weights(single["clipped"]), final_weights(run_dir)
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_fsdp_with_bf16_records_its_mixed_precision_policy(tmp_path):
+    run_dir = tmp_path / "bf16"
+    run_launch("fsdp", run_dir, "train.bf16=true", "train.steps=4", "train.eval_at_ckpt=false")
+    policy = ran(run_dir)["mixed_precision"]
+    assert policy == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "master_weights": "float32"}  # fmt: skip
+    losses = [x["loss"] for x in train_records(run_dir)]
+    assert len(losses) == 4 and all(0 < x < 100 for x in losses), losses
+    assert {w.dtype for w in final_weights(run_dir).values()} == {torch.float32}  # master weights

@@ -33,7 +33,9 @@ RUN = [
     f"train.batch_size={BATCH}",
     "train.feature_cache=true",
     "decode.num_prompts=3",  # rank 0 decodes prompts 0 and 2, rank 1 prompt 1
-    "decode.max_new_tokens=12",
+    "decode.max_new_tokens=40",
+    "decode.lookup_min_match=1",  # lookup rounds, counted over both ranks' prompts
+    "decode.warmup=0",  # a warm-up prompt per rank would count its rounds twice
 ]
 
 
@@ -109,9 +111,10 @@ def test_two_rank_evaluation_equals_one_process(two_ranks):
     assert "prompts_by_rank" not in alone
     for key in ("accepted_per_prompt", "accept_hist", "alpha", "tau", "tau_drafted",
                 "verify_rounds", "new_tokens", "ar_new_tokens", "greedy_match_rate",
-                "entropy_alpha", "num_prompts"):  # fmt: skip
+                "entropy_alpha", "num_prompts", "lookup_share"):  # fmt: skip
         assert ev[f"greedy/{key}"] == alone[f"greedy/{key}"], key
     assert len(ev["greedy/accepted_per_prompt"]) == 3 and ev["greedy/new_tokens"] > 3
+    assert 0 < ev["greedy/lookup_share"] < 1, ev["greedy/lookup_share"]  # both kinds of round
 
 
 def test_process_group_timeout_is_a_setting():

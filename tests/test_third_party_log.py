@@ -18,6 +18,7 @@ def test_autotune_tables_and_warnings_go_to_the_log(tmp_path, monkeypatch, capsy
 
     cls = select_algorithm.AlgorithmSelectorCache
     monkeypatch.setattr(cls, "log_results", staticmethod(fake_log_results))
+
     def console(message, category, filename, lineno, file=None, line=None):  # Python's own
         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
@@ -26,8 +27,12 @@ def test_autotune_tables_and_warnings_go_to_the_log(tmp_path, monkeypatch, capsy
         warnings.showwarning = console  # (pytest records warnings instead of showing them)
         path = route_third_party_output(tmp_path)
         cls.log_results("mm", [], {}, 0.1, 0.1)
-        warnings.warn_explicit("`is_gradient_checkpointing` is deprecated", FutureWarning,
-                               "/venv/site-packages/transformers/modeling_utils.py", 3312)
+        warnings.warn_explicit(
+            "`is_gradient_checkpointing` is deprecated",
+            FutureWarning,
+            "/venv/site-packages/transformers/modeling_utils.py",
+            3312,
+        )
         warnings.warn("a damaged feature cache", UserWarning, stacklevel=1)  # ours: shown
         cls.log_results("addmm", [], {}, 0.1, 0.1)
         captured = capsys.readouterr()

@@ -84,8 +84,21 @@ def decode_copy(target: Target, dtype: torch.dtype) -> Target:
 
 def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of the draft in the decoding dtype with float32 rotary frequencies (drafters
-    may freeze or convert the module they wrap; the trained draft is untouched)."""
-    return cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
+    may freeze or convert the module they wrap; the trained draft is untouched). Medusa-2's
+    adapted backbone (the target's weights with LoRA beside them) is neither copied nor
+    cast: the copy refers to it, and its `decoding_target` reads the LoRA from it."""
+    backbone = getattr(draft, "adapted", None)
+    if backbone is None:
+        return cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
+    draft.adapted = None
+    try:
+        copy_ = cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
+    finally:
+        draft.adapted = backbone
+    # a plain attribute, not a submodule: nothing done to the copy (.to, .eval, freezing)
+    # reaches the training draft's LoRA
+    object.__setattr__(copy_, "adapted", backbone)
+    return copy_
 
 
 def compiled_verify_timed(dec: DictConfig, device: torch.device) -> str | None:
@@ -308,8 +321,10 @@ def evaluate_checkpoint(
                 result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
         for key, value in m.items():
             result[f"{tag}/{key}"] = value
-        if isinstance(used, LookupDrafter):  # this rank's rounds, warm-up prompts included
-            result[f"{tag}/lookup_share"] = used.lookup_rounds / max(used.rounds, 1)
+        if isinstance(used, LookupDrafter):  # every rank's rounds, warm-up prompts included
+            counts = ranks.gather((used.lookup_rounds, used.rounds))
+            lookups, rounds = (sum(c[i] for c in counts) for i in (0, 1))
+            result[f"{tag}/lookup_share"] = lookups / max(rounds, 1)
         if ood:  # the same decode on the out-of-domain prompts: tau and alpha, not timed
             spec = compiled if only_compiled else (decode_target, drafter)
             kw.pop("warmup")

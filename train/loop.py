@@ -13,7 +13,9 @@ draft, preflight, feature cache, replay) is in train/run_setup.py; what it recor
 
 With train.time_budget_s the run stops once that much training time (steps with their replay
 rollouts, not checkpoints or evaluations) is spent, and `train.steps` is a cap: how runs of
-different step cost are compared at equal wall-clock.
+different step cost are compared at equal wall-clock. Several ranks keep one clock: each
+step counts the slowest rank's time (a max over ranks), so the LR schedule, which reads the
+elapsed share of the budget, and the step the run stops at are the same on every rank.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from train.data.prompt_file import ood_prompts
 from train.formats.init_from import check_init_from
 from train.identity import Resumed, check_resume, run_identity
 from train.machine import choose_autocast, share_threads
+from train.memory_plan import MemoryPlan, process_memory
 from train.optimizers import build_optimizer, optimizer_settings
 from train.ranks import Ranks
 from train.report.tracking import RunLog, finish_tracking, init_tracking
@@ -76,6 +79,18 @@ def progress_bar(cfg: DictConfig, start_step: int, train_s: float, main: bool) -
         total=budget, initial=min(train_s, budget), unit="s", disable=not main,
         desc=f"{cfg.name} (time budget)", bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s{postfix}",
     )  # fmt: skip
+
+
+def measured_memory(plan: MemoryPlan, device: torch.device) -> dict:
+    """The main rank's memory plan (train/memory_plan.py) beside what it measured: the
+    process's peak RSS and, on CUDA, the peak memory torch allocated."""
+    cuda = device.type == "cuda"
+    return {
+        "plan_peak_bytes": plan.peak_bytes(),
+        "peak_rss_bytes": process_memory("VmHWM"),
+        "peak_cuda_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "plan": plan.as_record(),
+    }
 
 
 def to_device(batch: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, torch.Tensor]:
@@ -121,7 +136,7 @@ def train_run(cfg: DictConfig) -> dict:
     threads = share_threads(local, accelerator.device)
     ranks = Ranks.current()  # regeneration, feature cache, evaluation: each rank its share
     # Its dtype chosen and the memory plan checked before a weight is read (train/run_setup.py)
-    target, target_choice = load_target(cfg, accelerator.device, resume_from, local, strategy, ranks)  # fmt: skip
+    target, target_choice, plan = load_target(cfg, accelerator.device, resume_from, local, strategy, ranks)  # fmt: skip
     resumed: Resumed | None = None  # the saved run continued exactly, or refused here
     if resume_from is not None:
         resumed = check_resume(cfg, resume_from, target, world, strategy.kind)
@@ -156,7 +171,10 @@ def train_run(cfg: DictConfig) -> dict:
     heldout = heldout_proxy(cfg, target, prepared, setup)  # None unless train.heldout_proxy
     if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError("the draft has no trainable parameters; check draft.model settings")
-    draft = shard(strategy, draft, accelerator.device)  # FSDP: before the optimizer sees it
+    # FSDP: before the optimizer sees it; weights the draft shares with the target (Medusa-2's
+    # backbone) stay shared in the evaluation skeleton
+    shared = tuple(target.model.parameters())
+    draft = shard(strategy, draft, accelerator.device, setup.autocast, shared)
     oc, budget = cfg.optim, tc.get("time_budget_s")
     optimizer = build_optimizer(draft.named_parameters(), **optimizer_settings(oc))  # optim.name
     clock = {"train_s": 0.0}  # training seconds so far: steps with their replay rollouts
@@ -217,16 +235,15 @@ def train_run(cfg: DictConfig) -> dict:
             raise diverged(step, result, records.last_checkpoint)
         optimizer.step()
         records.rows_consumed += rows_per_step
-        step_time = time.perf_counter() - t_step
+        step_time = ranks.slowest(time.perf_counter() - t_step)  # one clock for all ranks
         clock["train_s"] += step_time
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window.add(result.stats, result.counts, result.loss, result.grad_norm, result.target_s, step_time)  # fmt: skip
         done = step + 1
         bar.update(1 if budget is None else min(step_time, budget - bar.n))
-        if budget is not None:  # every rank stops at the same step
-            spent = torch.tensor(float(clock["train_s"] >= budget), device=accelerator.device)
-            out_of_time = bool(accelerator.reduce(spent, reduction="sum") > 0)
+        # every rank reads the same clock: the same LR, and the same step to stop at
+        out_of_time = budget is not None and clock["train_s"] >= budget
         last = done == tc.steps or out_of_time
         if done % tc.log_every == 0 or last:
             record = window.flush(done, scheduler.get_last_lr()[0], int(cfg.decode.k), offsets)
@@ -262,6 +279,7 @@ def train_run(cfg: DictConfig) -> dict:
             "data_stats": prepared.stats,
             "threads": threads,  # torch threads per process and why (train/machine.py)
             "dtypes": {use: choice.as_record() for use, choice in dtypes.items()},
+            "memory": measured_memory(plan, accelerator.device),  # the plan beside the peak
         }
         summary = write_summary(cfg, run_dir, summary, records)
         finish_tracking(accelerator, cfg, summary)

@@ -93,13 +93,15 @@ class MemoryPlan:
     ranks: int
     sharded: bool  # FSDP: the draft's state divided by `ranks`
     notes: list[str] = field(default_factory=list)
+    baseline_bytes: int = 0  # a CPU run: the process before the target (interpreter, libraries)
 
     def peak_bytes(self, checkpointing: bool = False) -> int:
-        """The most one rank holds: the target and the draft's state always, then the larger
-        of a training step's activations and an evaluation's copies."""
+        """The most one rank holds: its baseline, the target and the draft's state always,
+        then the larger of a training step's activations and an evaluation's copies."""
         act = self.activation_bytes_checkpointed if checkpointing else self.activation_bytes
         state = self.draft_bytes + self.gradient_bytes + self.optimizer_bytes
-        return self.target_bytes + state + max(act or 0, self.evaluation_bytes)
+        fixed = self.baseline_bytes + self.target_bytes + state
+        return fixed + max(act or 0, self.evaluation_bytes)
 
     def as_record(self) -> dict:
         return {**asdict(self), "peak_bytes": self.peak_bytes()}
@@ -245,19 +247,35 @@ def plan_memory(
     )  # fmt: skip
 
 
+def process_memory(key: str = "VmRSS") -> int | None:
+    """This process's resident memory in bytes (`VmRSS`; `VmHWM`: its peak so far), from
+    /proc/self/status; None where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def plan_for_run(
     cfg: DictConfig, target_config: PretrainedConfig, target_name: str, target_dtype: str,
-    ranks: int, sharded: bool, cuda: bool,
+    ranks: int, sharded: bool, cuda: bool, baseline: int = 0,
 ) -> MemoryPlan:  # fmt: skip
-    """`plan_memory` for a run's config (train.py's overrides) on `ranks` processes."""
+    """`plan_memory` for a run's config (train.py's overrides) on `ranks` processes; a CPU
+    run's plan adds `baseline`, the process's own bytes before the target."""
     decode = str(cfg.decode.get("dtype", "auto"))
     data = cfg.data
     rows = sum(int(data.get(k) or 0) for k in ("num_train", "num_reference", "num_raw_chunks"))
-    return plan_memory(
+    plan = plan_memory(
         target_config, target_name, target_dtype, cfg.draft.model, str(cfg.draft.kind),
         int(cfg.train.batch_size), int(data.max_len), ranks, sharded,
         "bfloat16" if decode == "auto" and cuda else decode, rows,
     )  # fmt: skip
+    plan.baseline_bytes = 0 if cuda else baseline
+    return plan
 
 
 def planned_dtype(setting: str, cuda: bool) -> str:
@@ -338,6 +356,9 @@ def format_plan(plan: MemoryPlan) -> str:
     shard = f", draft state sharded over {plan.ranks} ranks (FSDP)" if plan.sharded else ""
     count = f"{plan.draft_trainable or 0:,} trainable + {plan.draft_frozen or 0:,} frozen"
     count = "?" if plan.draft_trainable is None else count
+    baseline = (
+        "  process baseline  {:>12}  (this process before the target: interpreter, libraries)"
+    )
     lines = [
         f"per rank, {plan.ranks} rank(s){shard}; batch {plan.batch_size} x {plan.max_len} tokens",
         f"  target weights    {gib(plan.target_bytes):>12}  ({plan.target_params:,} params, {plan.target_dtype}, {plan.target_name})",  # fmt: skip
@@ -350,4 +371,6 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  peak              {gib(plan.peak_bytes()):>12}  (with checkpointing: {gib(plan.peak_bytes(True))})",  # fmt: skip
         f"  feature cache     {plan.feature_cache_bytes_per_token:,} bytes/token on disk; {gib(plan.feature_cache_bytes)} for the rows x max_len",  # fmt: skip
     ]
+    if plan.baseline_bytes:
+        lines.insert(1, baseline.format(gib(plan.baseline_bytes)))
     return "\n".join(lines + [f"  note: {n}" for n in plan.notes])

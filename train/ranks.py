@@ -54,6 +54,11 @@ class Ranks:
         dist.all_gather_object(out, obj)
         return out
 
+    def slowest(self, seconds: float) -> float:
+        """The largest of every rank's `seconds`, on every rank: one clock for a step that
+        ends when its slowest rank ends (the time budget and the LR schedule read it)."""
+        return seconds if self.world == 1 else max(self.gather(float(seconds)))
+
     def broadcast(self, obj: object) -> object:
         """Rank 0's `obj` on every rank (the others pass anything, e.g. None)."""
         if self.world == 1:

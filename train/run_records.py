@@ -77,29 +77,32 @@ def checkpoint_and_evaluate(
             tc.keep_last, meta={"loss": loss, "name": str(cfg.name), "train_s": round(train_s, 2)},
             config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
         ))  # fmt: skip
-    if heldout is not None and accelerator.is_main_process:
-        rng = rng_state()  # a draft that samples positions (DFlash) must not shift training's
-        with eval_draft(strategy, core, draft_state, accelerator.device) as full:
-            held = heldout.record(full, target)
-        set_rng_state(rng)
-        records.last_heldout = {"step": step, "train_s": round(train_s, 2), **held}
-        log.write({"kind": "heldout", **records.last_heldout})
     every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
-    if tc.eval_at_ckpt and (last or not every or step % every == 0):
-        rng = rng_state()  # evaluation must not shift the training RNG stream
-        started = time.perf_counter()
-        with eval_draft(strategy, core, draft_state, accelerator.device) as full:
+    evaluate = tc.eval_at_ckpt and (last or not every or step % every == 0)
+    if heldout is None and not evaluate:
+        accelerator.wait_for_everyone()
+        return
+    with eval_draft(strategy, core) as full:  # under FSDP every rank streams the weights in
+        if heldout is not None and accelerator.is_main_process:
+            rng = rng_state()  # a draft that samples positions (DFlash) must not shift training's
+            held = heldout.record(full, target)
+            set_rng_state(rng)
+            records.last_heldout = {"step": step, "train_s": round(train_s, 2), **held}
+            log.write({"kind": "heldout", **records.last_heldout})
+        if evaluate:
+            rng = rng_state()  # evaluation must not shift the training RNG stream
+            started = time.perf_counter()
             result, records.decode_copies = evaluate_checkpoint(
                 target, full, prepared.eval_prompts, cfg, records.last_train,
                 records.decode_copies, Ranks.current(),
             )  # fmt: skip
-        set_rng_state(rng)
-        result["step"] = step
-        result["train_s"] = round(train_s, 2)  # training seconds behind it: learning curves
-        result |= heldout_proxy_taus(result, records.last_heldout, step)
-        result["eval_s"] = round(time.perf_counter() - started, 1)  # probes, copies, decoding
-        records.evals.append(result)
-        log.write({"kind": "eval", **result})  # the main rank's
+            set_rng_state(rng)
+            result["step"] = step
+            result["train_s"] = round(train_s, 2)  # training seconds behind it: learning curves
+            result |= heldout_proxy_taus(result, records.last_heldout, step)
+            result["eval_s"] = round(time.perf_counter() - started, 1)  # probes, copies, decoding
+            records.evals.append(result)
+            log.write({"kind": "eval", **result})  # the main rank's
     accelerator.wait_for_everyone()
 
 

@@ -27,7 +27,7 @@ from train.formats.init_from import init_draft_from
 from train.heldout import HeldOut, heldout_rows
 from train.identity import read_identity
 from train.machine import PROBE_TOKENS, target_dtype
-from train.memory_plan import check_fits, device_memory, plan_for_run
+from train.memory_plan import MemoryPlan, check_fits, device_memory, plan_for_run, process_memory
 from train.ranks import Ranks, dist_timeout
 from train.replay import Replay
 from train.report.tracking import tracker
@@ -59,9 +59,9 @@ def instantiate(node: DictConfig, **kwargs):
 def load_target(
     cfg: DictConfig, device: torch.device, resume_from: Path | None, processes_here: int,
     strategy: Strategy, ranks: Ranks,
-) -> tuple[Target, DtypeChoice]:  # fmt: skip
-    """The frozen target, loaded straight into its training dtype on `device`, and that
-    dtype's choice. Before any weight is read: the dtype is chosen from the target's config
+) -> tuple[Target, DtypeChoice, MemoryPlan]:  # fmt: skip
+    """The frozen target, loaded straight into its training dtype on `device`, that
+    dtype's choice, and the run's memory plan. Before any weight is read: the dtype is chosen from the target's config
     (train/machine.py: target_dtype; a resumed auto run keeps its checkpoint's), and a launch
     whose memory plan (train/memory_plan.py) exceeds the device's memory is refused."""
     config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
@@ -69,11 +69,11 @@ def load_target(
     tokens = min(PROBE_TOKENS, int(cfg.data.max_len))
     choice = target_dtype(cfg, config, name, device, tokens, saved, ranks)
     plan = plan_for_run(cfg, config, name, choice.dtype, strategy.world_size,
-                        strategy.kind == "fsdp", device.type == "cuda")  # fmt: skip
+                        strategy.kind == "fsdp", device.type == "cuda", process_memory() or 0)  # fmt: skip
     memory = device_memory(device, processes_here)
     if memory is not None:
         check_fits(plan, *memory)
-    return instantiate(cfg.target, dtype=choice.dtype, device=str(device)), choice
+    return instantiate(cfg.target, dtype=choice.dtype, device=str(device)), choice, plan
 
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:

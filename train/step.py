@@ -35,7 +35,6 @@ for backward, and the loss saves softmax(target logits).
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from functools import partial
 
@@ -52,6 +51,7 @@ from train.feature_cache import FeatureCache, cached_target_output
 from train.losses import LossSpec, forward_kl
 from train.replay import Replay
 from train.step_stats import decode_samplings
+from train.strategy import gradient_sync
 
 
 class TrainingDiverged(RuntimeError):
@@ -318,7 +318,7 @@ def train_step(
     )
     if replay is not None:  # own rollouts + backward, before the syncing micro-batch
         replay.maybe_rollout(step, target, core)
-        with accelerator.no_sync(draft):
+        with gradient_sync(draft, False, accelerator):
             offline = float(counts[0]) / world  # this rank's share, for the log
             replay_share = replay.backward(
                 step, draft, core, target, accelerator, offline, autocast
@@ -330,7 +330,7 @@ def train_step(
             torch.cuda.synchronize()
         target_s += time.perf_counter() - t0
         sync = a == len(micro) - 1
-        with accelerator.no_sync(draft) if not sync else nullcontext():
+        with gradient_sync(draft, sync, accelerator):
             with autocast():
                 out = draft(target, b["input_ids"], t_out, b["attention_mask"], b["loss_mask"])
                 loss = offset_losses(out, t_out.logits, b, counts, setup, stats)

@@ -11,12 +11,20 @@ what ran is read back from the module itself (DDP-wrapped; parameters that are D
 sharded over more than one rank) for summary.json's `strategy`.
 
 Under FSDP (the frozen target is never sharded: each rank runs its own copy):
-- each checkpoint gathers the full draft state on every rank (a collective); the main rank
-  writes it once, as full state (draft.safetensors loads in one process), with the full
-  optimizer state keyed by parameter name (`fsdp_optimizer_state`);
-- evaluation decodes an unsharded copy of the draft (kept on the CPU between evaluations and
-  loaded with the gathered state): the sharded module's forward all-gathers, so a rank
-  decoding alone would wait for the others forever;
+- the trainable weights are broadcast from rank 0 before sharding, so every rank starts from
+  the same draft whatever its RNG did;
+- with train.bf16 on, a mixed-precision policy: parameters gathered in bfloat16 for the
+  forward and backward, gradients reduced in float32, the sharded master weights and the
+  optimizer float32 (`MixedPrecisionPolicy`; summary.json `strategy.mixed_precision`);
+- gradient accumulation: the micro-batches before the last keep their gradients unsharded
+  on each rank (`set_requires_gradient_sync(False)`), the last reduce-scatters their sum;
+- each checkpoint gathers the draft's full state on the main rank alone, on the CPU, and
+  the optimizer's keyed by parameter name (`fsdp_optimizer_state`); the main rank writes
+  (draft.safetensors loads in one process);
+- evaluation decodes an unsharded copy: a skeleton on the meta device (no storage between
+  evaluations; weights shared with the target stay shared) whose weights are streamed in
+  one parameter at a time (an all-gather each) for the evaluation and freed after it. A
+  sharded module's forward all-gathers, so a rank decoding alone would wait forever;
 - resume loads the full state into the sharded draft and optimizer on every rank
   (train/checkpoint.py: restore_trainer_state).
 """
@@ -39,11 +47,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-FULL = StateDictOptions(full_state_dict=True)  # every rank gets the whole tensors
 FULL_ON_MAIN = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only, on CPU
 
 
@@ -56,7 +63,8 @@ class Strategy:
     reshard_after_forward: bool = True  # fsdp_reshard_after_forward
     wrap_classes: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap: sharded one by one
     wrapped: list[str] = field(default_factory=list)  # the modules sharded on their own
-    unsharded: nn.Module | None = None  # fsdp: the evaluation copy, on the CPU
+    unsharded: nn.Module | None = None  # fsdp: the evaluation skeleton, on the meta device
+    mixed_precision: MixedPrecisionPolicy | None = None  # fsdp with train.bf16 on
 
 
 def _flag(env: Mapping[str, str], key: str, default: str = "false") -> bool:
@@ -114,20 +122,64 @@ def check_processes(strategy: Strategy, accelerator: Accelerator) -> None:
         )
 
 
-def shard(strategy: Strategy, draft: nn.Module, device: torch.device) -> nn.Module:
-    """FSDP: keep an unsharded copy for evaluation (on the CPU), then fully_shard the modules
-    of `wrap_classes` one by one and the draft as a whole, in place. Else the draft as it is.
-    The optimizer must be built after this: fully_shard replaces the parameters."""
+def shard(
+    strategy: Strategy, draft: nn.Module, device: torch.device, bf16: bool = False,
+    shared: tuple[torch.Tensor, ...] = (),
+) -> nn.Module:  # fmt: skip
+    """FSDP: broadcast the trainable weights from rank 0, keep an evaluation skeleton (meta
+    tensors; `shared`, weights that are the target's, stay themselves), then fully_shard the
+    modules of `wrap_classes` one by one and the draft as a whole, in place; with `bf16` under
+    a mixed-precision policy (bf16 compute, float32 reduce and master weights). Else the draft
+    as it is. The optimizer must be built after this: fully_shard replaces the parameters."""
     if strategy.kind != "fsdp":
         return draft
-    strategy.unsharded = copy.deepcopy(draft).to("cpu").requires_grad_(False).eval()
-    mesh = init_device_mesh(device.type, (strategy.world_size,))
+    for p in draft.parameters():  # equal on every rank, not equal by the seed alone
+        if p.requires_grad:
+            torch.distributed.broadcast(p.data, src=0)
+    keep = {id(t) for t in shared}
+    memo = {
+        id(t): t if id(t) in keep else _meta_like(t)
+        for t in (*draft.parameters(), *draft.buffers())
+    }
+    strategy.unsharded = copy.deepcopy(draft, memo).eval()
+    if bf16:
+        strategy.mixed_precision = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    kw = {"mesh": init_device_mesh(device.type, (strategy.world_size,)),
+          "reshard_after_forward": strategy.reshard_after_forward}  # fmt: skip
+    if strategy.mixed_precision is not None:
+        kw["mp_policy"] = strategy.mixed_precision
     for name, module in draft.named_modules():
         if name and type(module).__name__ in strategy.wrap_classes:
-            fully_shard(module, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+            fully_shard(module, **kw)
             strategy.wrapped.append(name)
-    fully_shard(draft, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+    fully_shard(draft, **kw)
     return draft
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s shape and dtype on the meta device: no storage."""
+    empty = torch.empty_like(t, device="meta")
+    return nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
+
+
+@contextmanager
+def gradient_sync(draft: nn.Module, sync: bool, accelerator: Accelerator):
+    """Micro-batches before the last of a step: no gradient reduction (DDP: accelerate's
+    no_sync; FSDP2: unsharded gradients accumulate on each rank, the last micro-batch
+    reduce-scatters their sum)."""
+    if sync:
+        yield
+    elif isinstance(draft, FSDPModule):
+        draft.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            draft.set_requires_gradient_sync(True)
+    else:
+        with accelerator.no_sync(draft):
+            yield
 
 
 def draft_sharded(draft: nn.Module) -> bool:
@@ -159,6 +211,13 @@ def strategy_ran(strategy: Strategy, accelerator: Accelerator, draft: nn.Module)
     if ran == "fsdp":
         record["fsdp_units"] = [*strategy.wrapped, "<draft>"]
         record["reshard_after_forward"] = strategy.reshard_after_forward
+        policy = strategy.mixed_precision
+        record["mixed_precision"] = None if policy is None else {
+            "param_dtype": str(policy.param_dtype).removeprefix("torch."),
+            "reduce_dtype": str(policy.reduce_dtype).removeprefix("torch."),
+            "master_weights": "float32",
+        }  # fmt: skip
+        record["initial_weights"] = "broadcast from rank 0"
     return record
 
 
@@ -166,24 +225,42 @@ def full_state(
     strategy: Strategy, accelerator: Accelerator, draft: nn.Module, optimizer
 ) -> tuple[dict, dict]:
     """(the draft's full state dict, the optimizer's state) for a checkpoint; every rank
-    must call it (FSDP gathers). Under FSDP every rank gets the full draft (to evaluate),
-    the main rank the full optimizer state keyed by parameter name."""
+    must call it (FSDP gathers). Under FSDP the main rank alone gets them, on the CPU (the
+    other ranks get empty dicts)."""
     if strategy.kind == "fsdp":
-        model = get_model_state_dict(draft, options=FULL)
+        model = get_model_state_dict(draft, options=FULL_ON_MAIN)
         return model, get_optimizer_state_dict(draft, optimizer, options=FULL_ON_MAIN)
     return accelerator.get_state_dict(draft), optimizer.state_dict()
 
 
 @contextmanager
-def eval_draft(strategy: Strategy, core: nn.Module, state: dict, device: torch.device):
-    """The draft evaluation decodes: the module itself, or under FSDP the unsharded copy
-    loaded with the gathered `state`, on `device` while in use."""
+def eval_draft(strategy: Strategy, core: nn.Module):
+    """The draft evaluation decodes: the module itself, or under FSDP the skeleton with the
+    sharded draft's weights streamed in, one all-gathered parameter at a time (every rank
+    must enter), freed again on exit."""
     if strategy.kind != "fsdp":
         yield core
         return
-    copy_ = strategy.unsharded
-    copy_.load_state_dict(state, strict=True)
+    skeleton, filled = strategy.unsharded, []
+    full: dict[int, torch.Tensor] = {}  # tied parameters: gathered once
+    for name, p in core.named_parameters(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        module = skeleton.get_submodule(owner)
+        if not module._parameters[leaf].is_meta:  # the target's own weight, shared
+            continue
+        if id(p) not in full:
+            whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            # contiguous, as a checkpoint's tensors: a gathered LoRA matrix can come back
+            # strided, and a matmul over other strides sums in another order (last bits)
+            full[id(p)] = whole.contiguous()
+        module._parameters[leaf] = nn.Parameter(full[id(p)], requires_grad=False)
+        filled.append((module, leaf))
+    for name, b in core.named_buffers(remove_duplicate=False):  # not sharded: shared
+        owner, _, leaf = name.rpartition(".")
+        skeleton.get_submodule(owner)._buffers[leaf] = b
+    del full
     try:
-        yield copy_.to(device)
+        yield skeleton
     finally:
-        copy_.to("cpu")
+        for module, leaf in filled:
+            module._parameters[leaf] = _meta_like(module._parameters[leaf])

@@ -113,7 +113,7 @@ def hf_model(draft: nn.Module, target: Target) -> nn.Module:
             model = copy.deepcopy(draft.model).merge_and_unload()
         return model
     if isinstance(draft, MedusaHeads) and draft.adapted is not None:
-        return draft.decoding_target(target).model
+        return draft.merged_causal_lm(target)
     raise ExportError(
         f"--format hf exports a distilled draft LM (draft=draft_lm) or Medusa-2's merged "
         f"target (draft=medusa2); this checkpoint holds a {type(draft).__name__}. "
