@@ -32,6 +32,7 @@ from train.formats.export import (
     load_run_draft,
 )
 from train.formats.kinds import FORMATS, check_kind_format, checkpoint_export_kind, formats_by_kind
+from train.identity import read_identity
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> Path:
         sys.exit(f"export refused, nothing written: {err}")
     draft, target = load_run_draft(args.checkpoint, device=args.device)
     try:
-        out = export(draft, target, args.format, args.out, args.overwrite, verifier, k)
+        identity = read_identity(args.checkpoint)  # refused if the target is another one
+        out = export(draft, target, args.format, args.out, args.overwrite, verifier, k, identity)
     except ExportError as err:
         sys.exit(f"export refused, nothing written: {err}")
     served = (

@@ -239,3 +239,42 @@ def test_cli_exports_a_checkpoint_and_refuses_cleanly(target, tmp_path, capsys):
     with pytest.raises(SystemExit, match="export refused, nothing written: a medusa draft"):
         script.main([str(ckpt), "--format", "eagle", "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_an_export_names_its_target_and_refuses_another(target, tmp_path):
+    """The checkpoint's identity record goes with the export (IDENTITY_FILE); a target whose
+    weights are not the trained-against ones is refused by the export and by an import."""
+    from train.formats.export import IDENTITY_FILE
+    from train.formats.init_from import InitError, init_draft_from
+    from train.identity import target_identity
+
+    spec = importlib.util.spec_from_file_location(
+        "export_script", Path(__file__).resolve().parents[1] / "scripts" / "export.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    run = tmp_path / "run"
+    run.mkdir()
+    target_cfg = {"_target_": "models.target_loaders.build_tiny_random", "seed": 0}
+    (run / "config.yaml").write_text(OmegaConf.to_yaml({"target": target_cfg}))
+    heads = _random_heads(target)
+    draft_cfg = {"kind": "medusa", "model": {"_target_": "models.medusa.from_target", "num_heads": 2}}  # fmt: skip
+    identity = {"target": target_identity(target, None), "draft": {"kind": "medusa"}}
+    ckpt = save_checkpoint(run, 1, heads.state_dict(), OmegaConf.to_yaml(draft_cfg), {}, 1,
+                           identity=identity)  # fmt: skip
+    out = script.main([str(ckpt), "--format", "medusa", "--out", str(tmp_path / "m")])
+    record = json.loads((out / IDENTITY_FILE).read_text())
+    assert record["target"]["weights"] == target.fingerprint
+    # the config now names another target (seed 1): the head rows would be another model's
+    other = {**target_cfg, "seed": 1}
+    (run / "config.yaml").write_text(OmegaConf.to_yaml({"target": other}))
+    with pytest.raises(SystemExit, match="is not the one this draft was trained against"):
+        script.main([str(ckpt), "--format", "medusa", "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+    # an import into a draft for another target is refused; into the trained one it loads
+    stranger = build_tiny_random(seed=1)
+    with pytest.raises(InitError, match="target weights"):
+        init_draft_from(out, medusa.from_target(stranger, num_heads=2), stranger)
+    fresh = medusa.from_target(target, num_heads=2)
+    init_draft_from(out, fresh, target)
+    assert torch.equal(fresh.blocks[1][0].linear.weight, heads.blocks[1][0].linear.weight)

@@ -281,6 +281,9 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 
 # -- the entry point ---------------------------------------------------------------------------
+IDENTITY_FILE = "draftlab_identity.json"  # an export's record of what it was trained against
+
+
 def export(
     draft: nn.Module,
     target: Target,
@@ -289,14 +292,27 @@ def export(
     overwrite: bool = False,
     verifier: str | None = None,
     speculative_tokens: int | None = None,
+    identity: dict | None = None,
 ) -> Path:
     """Write `draft` (for `target`) in format `fmt` to `out` atomically; returns `out`.
     `speculators` also needs `verifier` (the id the engine serves the target as; the
     exporting machine's path would mean nothing where it is served) and `speculative_tokens`
     (the draft length per round the engine proposes; scripts/export.py takes both from the
-    checkpoint's config unless given); the other formats take neither."""
+    checkpoint's config unless given); the other formats take neither. `identity`: the
+    checkpoint's identity record (train/identity.py): an export for another target than the
+    one trained against (its head rows and embedding would be another model's) is refused,
+    and the record is written beside the weights as IDENTITY_FILE, so an import
+    (draft.init_from) compares the target it loads into."""
     refuse(fmt, draft)
     check_served_settings(fmt, verifier, speculative_tokens)
+    trained = (identity or {}).get("target")
+    if trained is not None and trained["weights"] != target.fingerprint:
+        raise ExportError(
+            f"the target loaded for the export ({target.name}, weights {target.fingerprint}) "
+            f"is not the one this draft was trained against ({trained['name']}, weights "
+            f"{trained['weights']}): the export would take its head rows and embedding from "
+            "another model. Point the checkpoint's config.yaml target at the trained one."
+        )
     writers: dict[str, Callable[[Path, Path], None]] = {
         "hf": lambda tmp, final: export_hf(draft, target, tmp),
         "medusa": lambda tmp, final: export_medusa(draft, target, tmp, final),
@@ -315,6 +331,8 @@ def export(
     try:
         with torch.no_grad():
             writers[fmt](tmp, out)
+        if identity is not None:  # which target and draft settings these weights belong to
+            (tmp / IDENTITY_FILE).write_text(json.dumps(identity, indent=2))
         if out.exists():  # --overwrite (or an empty dir): swap, never half-replace
             old = out.parent / f".tmp-old-{out.name}-{os.getpid()}"
             os.rename(out, old)

@@ -47,8 +47,14 @@ from models.medusa import MedusaHeads
 from models.target import Target
 from train.checkpoint import PREFIX, latest_checkpoint, load_tensors
 from train.formats.eagle_read import in_tap_order, read_eagle_export
-from train.formats.export import MEDUSA_WEIGHTS, VLLM_WEIGHTS, medusa_keys, vllm_medusa_keys
-from train.identity import FREE_ON_INIT, init_differences, refusal
+from train.formats.export import (
+    IDENTITY_FILE,
+    MEDUSA_WEIGHTS,
+    VLLM_WEIGHTS,
+    medusa_keys,
+    vllm_medusa_keys,
+)
+from train.identity import FREE_ON_INIT, init_differences, refusal, target_differences
 
 FORMATS = ("ours", "hf", "medusa", "vllm-medusa", "speculators", "eagle")
 LOOKED_FOR = (
@@ -373,14 +379,26 @@ def _refuse_differences(path: Path, diffs: list) -> None:
         ))  # fmt: skip
 
 
+def _check_export_target(path: Path, target: Target) -> None:
+    """An export written by scripts/export.py names the target it was trained against
+    (IDENTITY_FILE): refused when `target` is another one."""
+    record = path / IDENTITY_FILE if path.is_dir() else None
+    if record is not None and record.is_file():
+        saved = json.loads(record.read_text()).get("target")
+        now = {"name": target.name, "weights": target.fingerprint}
+        _refuse_differences(path, target_differences(saved, now, ("weights",)))
+
+
 def check_init_from(draft_cfg, target: Target) -> str:
     """Before the data is prepared: `draft_cfg.init_from` holds a draft format, and a draftlab
     checkpoint's settings match `draft_cfg` (the taps as configured: the load compares them
-    resolved) and the target. Returns the format."""
+    resolved) and the target; an export's recorded target matches it. Returns the format."""
     path = Path(draft_cfg.init_from).expanduser()
     fmt = detect_format(path)
     if fmt == "ours":
         _refuse_differences(path, init_differences(_our_checkpoint(path), target, draft_cfg))
+    else:
+        _check_export_target(path, target)
     return fmt
 
 
@@ -393,6 +411,8 @@ def init_draft_from(path: str | Path, draft: nn.Module, target: Target, draft_cf
     if fmt == "ours":
         ckpt = _our_checkpoint(path)
         _refuse_differences(path, init_differences(ckpt, target, draft_cfg, draft))
+    else:
+        _check_export_target(path, target)
     state, settings = READERS[fmt](path, draft, target)
     _check_state(state, draft, target, f"draft.init_from={str(path)!r} ({fmt})", settings)
     # The draft's own load checks (e.g. EAGLE's vocabulary map) run on a copy first.
