@@ -12,7 +12,11 @@ EAGLE-3 (`style="eagle3"`, draft=eagle):
     h   = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h))                           # over the draft vocabulary (d2t/t2d)
   `norm_before_residual` = false (the residual is g, not hidden_norm(g)). The next step's
-  feature is h itself (pre-norm), as in every engine.
+  feature is h itself (pre-norm), as in every engine. EAGLE-3.1 (speculators' and
+  SpecForge's options, served by speculators and recent vLLM): `norm_before_fc` (one RMSNorm
+  over cat(taps), `input_norm`), `fc_norm` (one per tap, `fc_norm.i`), `norm_output` (the
+  next step's feature is norm(h), and logits = lm_head(that)); with a norm before fc the
+  tap scale below stays 1 (a norm undoes any scale).
 EAGLE-1 (`style="eagle1"`, draft=eagle1):
     x   = fc(cat(e, f_t))                               # Linear(2H->H), no bias, embedding first
     h   = x + o_proj(attn(x))                           # no input_layernorm (vLLM: Identity)
@@ -24,34 +28,21 @@ Parameter names follow the served state_dict: `fc`, `layers.0.{input_layernorm, 
 self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}`, `norm`,
 `lm_head` (train_head only), `d2t`, `t2d` (train/formats/ writes and reads them).
 
-Tap scale (EAGLE-3). The taps are pre-norm residual streams whose sizes differ per layer
-(SmolLM2, per-token RMS away from position 0: 3.0 / 6.7 / 21 at hidden_states 2 / 15 / 27;
-position 0 carries the attention-sink massive activations, RMS ~940, entries in the
-hundreds). Engines fuse the raw taps, so per-token normalisation (what this head did before)
-cannot be served; `norm_before_fc` / `fc_norm` exist in speculators and recent vLLM only, not
-in SGLang or older vLLM. Instead `fc` sees each tap times a FIXED scalar `tap_scale[i]` =
-1 / (median per-token RMS of tap i, measured once on a probe at construction,
-models/eagle_init.py): a linear reparametrisation that export folds into the served weight
-(fc.weight[:, block i] * tap_scale[i]), so training sees unit-size taps (balanced Adam steps
-across taps, g ~ unit RMS at init) and the served maths is the plain layout. Position 0
-keeps its large g (its residual dominates its own logits only; its keys come from the
-normalised x).
+Tap scale (EAGLE-3). The taps are raw residual streams of very different sizes (SmolLM2:
+per-token RMS 3.0 / 6.7 / 21 at hidden_states 2 / 15 / 27) and engines fuse them raw, so
+`fc` sees each tap times a FIXED power of two `tap_scale[i]` ~ 1 / its median RMS
+(models/eagle_init.py: measure_tap_scale), folded into the served fc weight at export: unit
+taps in training, the plain layout served.
 
-Training-time test (unroll `ttt_steps` = n): step s = 0..n-1 at anchor t sits at sequence
-position t+s, reads (h^{s-1}_t, emb(x_{t+s+1})) -- the draft's OWN hidden output of the
-previous step at the same anchor, but the ground-truth token (teacher forcing) -- and
-predicts x_{t+s+2}: offset s+1. Its query attends to step-0 keys at positions <= t (those
-were computed from real target features) plus the keys of steps 1..s at the same anchor t.
-That is exactly the draft's KV cache at decode time after t was verified and s tokens were
-drafted, so the training graph and the decoder see the same attention pattern. We build it
-with HF's DynamicCache (keys of all steps concatenated, [B, kv, (s+1)T, D]) and a boolean
-mask [B, 1, T, (s+1)T]: causal block for step 0, identity blocks for steps 1..s.
+Training-time test (unroll `ttt_steps` = n): step s at anchor t sits at position t+s,
+reads the draft's OWN hidden of step s-1 at t and the true token emb(x_{t+s+1}) (teacher
+forcing), predicts x_{t+s+2} (offset s+1), and attends to step-0 keys at positions <= t plus
+the keys of steps 1..s at t: the draft's KV cache at decode time after t was verified and s
+tokens drafted. Built with HF's DynamicCache (all steps' keys, [B, kv, (s+1)T, D]) and a
+boolean mask [B, 1, T, (s+1)T]: causal block for step 0, identity blocks for steps 1..s.
 
-Reduced vocabulary (EAGLE-3; models/vocab.py, "offsets" layout): the draft predicts over
-the N most frequent trained target tokens. Buffers `d2t` [N] (target id = i + d2t[i]) and
-`t2d` [V] (bool: in the draft vocab) are built from the data's `token_counts` or loaded
-with a checkpoint, checked once then, and refused at first use when neither happened.
-`vocab_size="full"` keeps the full head.
+Reduced vocabulary (EAGLE-3): the N most frequent trained target tokens, `d2t` / `t2d`
+buffers (models/vocab.py, "offsets" layout); `vocab_size="full"` keeps the full head.
 
 Frozen pieces: embedding and output head are read from `target` at call time (not trained,
 not in the checkpoint); the reduced head is the target's lm_head rows at the draft ids.
@@ -67,12 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from models import vocab
 from models.eagle_init import (
@@ -81,6 +67,7 @@ from models.eagle_init import (
     measure_tap_scale,
     target_layer_init,
 )
+from models.eagle_layer import EagleLayer
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
 
@@ -89,45 +76,6 @@ STYLES = ("eagle1", "eagle3")
 # be mapped onto this module (q/k/v had H inputs after an `input_proj`).
 INITS = ("identity", "target_layer", "random")
 PRE_SERVED_KEYS = ("fuse", "input_proj", "layer", "feature_norm", "embed_norm")
-
-
-class EagleLayer(nn.Module):
-    """The draft's decoder layer, served layout. EAGLE-3: q/k/v read cat(input_layernorm(
-    embedding), hidden_norm(feature)) (2H wide, as vLLM's / speculators' first layer), the
-    residual is the raw feature. EAGLE-1: a Llama layer without input_layernorm over the fc
-    output (vLLM replaces it by Identity)."""
-
-    def __init__(self, config: LlamaConfig, style: str):
-        super().__init__()
-        H, eps = config.hidden_size, config.rms_norm_eps
-        self.two_inputs = style == "eagle3"
-        self.self_attn = LlamaAttention(config, layer_idx=0)
-        if self.two_inputs:
-            D, bias = self.self_attn.head_dim, config.attention_bias
-            self.self_attn.q_proj = nn.Linear(2 * H, config.num_attention_heads * D, bias=bias)
-            self.self_attn.k_proj = nn.Linear(2 * H, config.num_key_value_heads * D, bias=bias)
-            self.self_attn.v_proj = nn.Linear(2 * H, config.num_key_value_heads * D, bias=bias)
-            self.input_layernorm = LlamaRMSNorm(H, eps=eps)  # on the token embedding
-            self.hidden_norm = LlamaRMSNorm(H, eps=eps)  # on the feature
-        self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
-        self.mlp = LlamaMLP(config)
-
-    def forward(
-        self,
-        hidden: Tensor,  # [B, P, H]: EAGLE-3 feature g (or the previous step's h); EAGLE-1 fc output
-        embeds: Tensor | None,  # [B, P, H] EAGLE-3: emb(next token); EAGLE-1: None (inside fc)
-        attention_mask: Tensor | None,  # [B|1, 1, P, kv] bool, True = attend
-        position_embeddings: tuple[Tensor, Tensor],
-        cache: DynamicCache,
-    ) -> Tensor:
-        x = hidden
-        if self.two_inputs:
-            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        attn, _ = self.self_attn(
-            x, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
-        )
-        h = hidden + attn  # residual = the raw feature (norm_before_residual = false)
-        return h + self.mlp(self.post_attention_layernorm(h))  # [B, P, H]
 
 
 class EagleDraft(nn.Module):
@@ -151,8 +99,16 @@ class EagleDraft(nn.Module):
         draft_vocab_size: int | None = None,  # None = full target vocabulary
         feature_loss_weight: float = 0.0,
         train_head: bool = False,
+        norm_before_fc: bool = False,  # EAGLE-3.1 options (module docstring)
+        fc_norm: bool = False,
+        norm_output: bool = False,
     ):
         super().__init__()
+        if norm_before_fc and fc_norm:  # as speculators refuses them together
+            raise ValueError("norm_before_fc and fc_norm exclude each other: set one")
+        if style != "eagle3" and (norm_before_fc or fc_norm or norm_output):
+            raise ValueError("norm_before_fc / fc_norm / norm_output are EAGLE-3(.1) options; "
+                             f"style={style!r} has none")  # fmt: skip
         if style not in STYLES:
             raise ValueError(f"EAGLE style must be one of {STYLES}, got {style!r}")
         if ttt_steps < 1:
@@ -190,11 +146,17 @@ class EagleDraft(nn.Module):
         # SDPA with our own boolean masks (the eager path would add a bool mask as numbers).
         self.config._attn_implementation = "sdpa"
         H = hidden_size
+        self.norm_output = norm_output
         if style == "eagle3":
             self.fc = nn.Linear(len(self.hidden_layers) * H, H, bias=False)  # over the taps
             # Fixed per-tap input scale, folded into fc.weight at export (module docstring).
             self.register_buffer("tap_scale", torch.ones(len(self.hidden_layers)))
             self.norm = LlamaRMSNorm(H, eps=rms_norm_eps)  # before the head (EAGLE-1 has none)
+            n = len(self.hidden_layers)
+            self.input_norm = LlamaRMSNorm(n * H, eps=rms_norm_eps) if norm_before_fc else None
+            self.fc_norm = None
+            if fc_norm:
+                self.fc_norm = nn.ModuleList(LlamaRMSNorm(H, eps=rms_norm_eps) for _ in range(n))
         else:
             self.fc = nn.Linear(2 * H, H, bias=False)  # over [embedding, feature]
         self.layers = nn.ModuleList([EagleLayer(self.config, style)])
@@ -255,7 +217,12 @@ class EagleDraft(nn.Module):
             (hidden[layer].float() * scale).to(dtype)
             for layer, scale in zip(self.hidden_layers, self.tap_scale.float())
         ]
-        return self.fc(torch.cat(taps, dim=-1))  # [B, T, H]
+        x = torch.cat(taps, dim=-1)  # [B, T, n*H]
+        if self.input_norm is not None:  # EAGLE-3.1: speculators' order, this norm first
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(taps), -1))], -1)
+        return self.fc(x)  # [B, T, H]
 
     def step(
         self,
@@ -265,17 +232,19 @@ class EagleDraft(nn.Module):
         cache: DynamicCache,
         attention_mask: Tensor | None = None,  # [B|1, 1, P, kv] bool, True = attend
     ) -> Tensor:
-        """One pass of the decoder layer -> the draft's hidden output [B, P, H] (pre-norm)."""
+        """One pass of the decoder layer -> the draft's hidden output [B, P, H], the next
+        step's feature: pre-norm, or with norm_output the normed one."""
         token_embeds = token_embeds.to(feature.dtype)
         rope = self.rotary(feature, positions if positions.dim() == 2 else positions[None])
         if self.style == "eagle3":
-            return self.layers[0](feature, token_embeds, attention_mask, rope, cache)
+            h = self.layers[0](feature, token_embeds, attention_mask, rope, cache)
+            return self.norm(h) if self.norm_output else h
         x = self.fc(torch.cat([token_embeds, feature], dim=-1))  # [B, P, H]
         return self.layers[0](x, None, attention_mask, rope, cache)
 
     def logits(self, h: Tensor, head_weight: Tensor) -> Tensor:
         """Draft hidden [B, P, H] -> logits over the draft vocabulary [B, P, V_draft]."""
-        if self.style == "eagle3":
+        if self.style == "eagle3" and not self.norm_output:  # else `step` normed it
             h = self.norm(h)
         return F.linear(h, head_weight.to(h.dtype))
 
@@ -379,6 +348,9 @@ def from_target(
     train_head: bool = False,
     intermediate_size: int | None = None,
     init: str = "identity",
+    norm_before_fc: bool = False,
+    fc_norm: bool = False,
+    norm_output: bool = False,
 ) -> EagleDraft:
     """Build an EAGLE draft sized from `target`. `layers`: target hidden_states indices to
     read (default: [-1] for EAGLE-1, low/mid/high for EAGLE-3). `vocab_size`: "full" or N
@@ -386,9 +358,14 @@ def from_target(
     `init`: "identity" starts the head as a logit lens of the deepest tapped feature (see
     `models.eagle_init.identity_init`), "target_layer" (EAGLE-3) as the target layer that
     tap enters (`target_layer_init`), "random" is plain random init. EAGLE-3's tap scale
-    is measured on the target here (one short forward, `measure_tap_scale`)."""
+    is measured on the target here (one short forward, `measure_tap_scale`), unless a norm
+    before fc (EAGLE-3.1) makes it moot."""
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    normed = norm_before_fc or fc_norm
+    if normed and init == "target_layer":
+        raise ValueError("init=target_layer maps the target's raw taps into fc; with "
+                         "norm_before_fc / fc_norm use init=identity or random")  # fmt: skip
     if init == "target_layer" and style != "eagle3":
         raise ValueError(
             "init=target_layer copies a target layer into EAGLE-3's 2H-wide q/k/v; for "
@@ -425,12 +402,16 @@ def from_target(
         draft_vocab_size=draft_vocab,
         feature_loss_weight=feature_loss_weight,
         train_head=train_head,
+        norm_before_fc=norm_before_fc,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
     )
     if draft.reduced_vocab and token_counts is not None:
         vocab.build(draft, token_counts, target.eos_token_ids)
     with torch.no_grad():  # start from the target's own output geometry
-        if style == "eagle3":
+        if style == "eagle3" and not normed:
             draft.tap_scale.copy_(measure_tap_scale(target, draft.hidden_layers))
+        if style == "eagle3":
             draft.norm.weight.copy_(target.final_norm_weight)
         if init == "identity":
             identity_init(draft.fc, draft.hidden_layers, draft.layers[0], style)

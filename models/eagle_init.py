@@ -37,7 +37,7 @@ def measure_tap_scale(target: Target, layers: tuple[int, ...], seed: int = 0) ->
 def identity_init(
     fc: nn.Linear,  # EAGLE-3: [H, n*H] over the n taps; EAGLE-1: [H, 2H] over [embedding, feature]
     hidden_layers: tuple[int, ...],
-    layer: nn.Module,  # models.eagle.EagleLayer
+    layer: nn.Module,  # models.eagle_layer.EagleLayer
     style: str,
 ) -> None:
     """Start as a logit lens of the deepest tapped target feature (in place).
@@ -69,7 +69,7 @@ def target_layer_init(
     hidden_layers: tuple[int, ...],
     tap_scale: Tensor,  # [n] the fixed input scale of each tap (EagleDraft.tap_scale)
     fc: nn.Linear,  # [H, n*H] over the n taps
-    layer: nn.Module,  # models.eagle.EagleLayer, EAGLE-3 style (2H-wide q/k/v)
+    layer: nn.Module,  # models.eagle_layer.EagleLayer, EAGLE-3 style (2H-wide q/k/v)
 ) -> int:
     """Start EAGLE-3's decoder layer as the target layer that the deepest tap enters (in
     place); returns that layer's index.

@@ -14,6 +14,7 @@ slow, the embedded SmolLM2 with taps [27, 2, 15] and its converted directory as 
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -57,10 +58,12 @@ def _export_script():
     return script
 
 
-def _checkpoint(run: Path, target, layers, vocab_size, train_head):
-    """A run's checkpoint of an EAGLE-3 head with every weight moved off its init."""
+def _checkpoint(run: Path, target, layers, vocab_size, train_head, norms=None):
+    """A run's checkpoint of an EAGLE-3 head with every weight moved off its init; `norms`:
+    EAGLE-3.1's options."""
     model = {"_target_": "models.eagle.from_target", "layers": layers, "ttt_steps": 3,
-             "vocab_size": vocab_size, "train_head": train_head, "init": "random"}  # fmt: skip
+             "vocab_size": vocab_size, "train_head": train_head, "init": "random",
+             **(norms or {})}  # fmt: skip
     counts = torch.randint(
         0, 1000, (target.vocab_size,), generator=torch.Generator().manual_seed(0)
     )
@@ -116,15 +119,23 @@ def _same_argmax(lib: torch.Tensor, ours: torch.Tensor, what: str) -> None:
     assert (gap <= TOL).all(), f"{what}: argmax flips with log-prob gaps up to {gap.max():.2e}"
 
 
+EAGLE31 = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1's options
+
+
 @pytest.mark.parametrize(
-    "layers,vocab_size,train_head",
-    [(None, 32, False), ([6, 1, 3], "full", True)],  # default taps; unsorted non-default taps
+    "layers,vocab_size,train_head,norms",
+    [
+        (None, 32, False, None),  # default taps
+        ([6, 1, 3], "full", True, None),  # unsorted non-default taps
+        (None, 32, False, {"norm_before_fc": True, "norm_output": True}),  # speculators' default
+        ([6, 1, 3], 32, False, {"fc_norm": True, "norm_output": True}),  # the 3.1 paper's
+    ],
 )
 def test_speculators_library_gives_our_logits(
-    target, verifier_dir, tmp_path, layers, vocab_size, train_head
+    target, verifier_dir, tmp_path, layers, vocab_size, train_head, norms
 ):
     script = _export_script()
-    ckpt, draft = _checkpoint(tmp_path / "run", target, layers, vocab_size, train_head)
+    ckpt, draft = _checkpoint(tmp_path / "run", target, layers, vocab_size, train_head, norms)
     with pytest.raises(SystemExit, match="pass --verifier ID"):  # the tiny target has no hub id
         script.main([str(ckpt), "--format", "speculators", "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
@@ -135,6 +146,27 @@ def test_speculators_library_gives_our_logits(
     spec = config["speculators_config"]
     assert spec["proposal_methods"][0]["speculative_tokens"] == K
     assert spec["verifier"]["name_or_path"] == str(verifier_dir)
+    for flag in EAGLE31:  # EAGLE-3.1's options as written
+        assert config[flag] is bool((norms or {}).get(flag)), flag
+    if norms:  # and read back into a draft built with them: the same weights
+        from train.formats.init_from import InitError, init_draft_from
+
+        counts = torch.ones(target.vocab_size)
+        back = eagle.from_target(target, counts, layers=layers, ttt_steps=3, vocab_size=vocab_size,
+                                 init="random", **norms)  # fmt: skip
+        served = tmp_path / "served_as_ours"  # its verifier named as our loader names it
+        shutil.copytree(out, served)
+        config["speculators_config"]["verifier"]["name_or_path"] = target.name
+        (served / "config.json").write_text(json.dumps(config))
+        init_draft_from(served, back, target)
+        mine = draft.state_dict()
+        assert all(torch.equal(v, mine[k]) for k, v in back.state_dict().items()), "read back"
+        plain = eagle.from_target(target, counts, layers=layers, ttt_steps=3,
+                                  vocab_size=vocab_size, init="random")  # fmt: skip
+        with pytest.raises(InitError, match="set draft.model.norm_before_fc="):
+            init_draft_from(served, plain, target)
+        with pytest.raises(SystemExit, match="cannot say: SGLang"):
+            script.main([str(ckpt), "--format", "eagle", "--out", str(tmp_path / "e")])
 
     seqs = torch.randint(6, target.vocab_size, (2, 14), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -134,14 +134,31 @@ def layer_keys(style: str, prefix: str = "layers.0.") -> set[str]:
 
 
 def served_keys(
-    style: str, reduced_vocab: bool, prefix: str = "layers.0.", embedding: bool = False
-) -> set[str]:
+    style: str, reduced_vocab: bool, prefix: str = "layers.0.", embedding: bool = False,
+    norms: dict | None = None,
+) -> set[str]:  # fmt: skip
     """Weight keys of an export: speculators (prefix `layers.0.`, with the embedding) or eagle
-    (`midlayer.` for EAGLE-3; EAGLE-1 keeps `layers.0.`; no embedding)."""
+    (`midlayer.` for EAGLE-3; EAGLE-1 keeps `layers.0.`; no embedding); `norms`: the EAGLE-3.1
+    flags (`norm_flags`) and the number of taps."""
     keys = {"fc.weight"} | layer_keys(style, prefix)
     if style == "eagle3":
         keys |= {"norm.weight", "lm_head.weight"} | ({"d2t", "t2d"} if reduced_vocab else set())
+    if norms and norms.get("norm_before_fc"):
+        keys.add("input_norm.weight")
+    if norms and norms.get("fc_norm"):
+        keys |= {f"fc_norm.{i}.weight" for i in range(norms["taps"])}
     return keys | ({EMBEDDING} if embedding else set())
+
+
+def norm_flags(draft: EagleDraft) -> dict:
+    """EAGLE-3.1's options as speculators' config names them (models/eagle.py)."""
+    is3 = draft.style == "eagle3"
+    return {
+        "norm_before_fc": is3 and draft.input_norm is not None,
+        "fc_norm": is3 and draft.fc_norm is not None,
+        "norm_output": bool(draft.norm_output),
+        "taps": len(draft.hidden_layers),
+    }
 
 
 # -- the served target -------------------------------------------------------------------------
@@ -183,6 +200,13 @@ def check_servable(draft: EagleDraft, target: Target, fmt: str) -> None:
         )
     if target.lm_head.bias is not None:
         raise ExportError("the target's lm_head has a bias; EAGLE engines' heads have none")
+    flags = [k for k, on in norm_flags(draft).items() if on and k != "taps"]
+    if flags and fmt != "speculators":
+        raise ExportError(
+            f"this EAGLE-3.1 head uses {flags}, which the EAGLE / SGLang / SpecForge layout "
+            "(--format eagle) cannot say: SGLang's llama_eagle3 has no such norms. Use "
+            "--format speculators (speculators, recent vLLM)"
+        )
     if draft.style == "eagle1":
         if fmt == "speculators":
             raise ExportError(
@@ -249,6 +273,12 @@ def served_state(draft: EagleDraft, target: Target) -> dict[str, Tensor]:
         fc = fc * scale[None, :]  # fold: the served fc reads the raw taps
         order = tap_order(draft.hidden_layers)  # engines concatenate the taps ascending
         fc = fc.view(H, len(order), H)[:, order].reshape(H, len(order) * H)
+        if draft.input_norm is not None:  # EAGLE-3.1: its weight in the served tap order too
+            weight = draft.input_norm.weight.detach().view(len(order), H)[order]
+            state["input_norm.weight"] = weight.reshape(-1)
+        if draft.fc_norm is not None:
+            for j, i in enumerate(order):
+                state[f"fc_norm.{j}.weight"] = draft.fc_norm[i].weight
         head = draft.head_weight(target).detach()  # [V_draft, H]
         state["lm_head.weight"] = head
         if draft.reduced_vocab:
@@ -337,9 +367,7 @@ def export_speculators(
         "draft_vocab_size": draft.draft_vocab_size,
         "target_hidden_size": target.hidden_size,
         "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **{k: v for k, v in norm_flags(draft).items() if k != "taps"},  # EAGLE-3.1
         "tie_word_embeddings": False,
     }
     ids = tap_ids(draft, target)
@@ -351,7 +379,8 @@ def export_speculators(
     missing = [f for f in SPECULATORS_SUB_FIELDS if f not in written["speculators_config"]]
     if missing or written["norm_before_residual"] is not False:
         raise ExportError(f"written speculators_config lacks {missing} (an exporter bug)")
-    check_keys(got, served_keys("eagle3", draft.reduced_vocab, embedding=True), WEIGHTS)
+    keys = served_keys("eagle3", draft.reduced_vocab, embedding=True, norms=norm_flags(draft))
+    check_keys(got, keys, WEIGHTS)
 
 
 def export_eagle(draft: EagleDraft, target: Target, out: Path, final: Path) -> None:

@@ -39,12 +39,13 @@ def read_eagle_export(path: Path, target: Target) -> tuple[dict[str, Tensor], di
         arch = (config.get("architectures") or [""])[0]
         style = "eagle3" if "Eagle3" in arch else "eagle1"
         layer, prefix = config, "midlayer." if style == "eagle3" else "layers.0."
-    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
-        if config.get(flag):
-            raise ValueError(
-                f"{what} uses {flag}=true; draftlab's head is the plain layout (residual = raw "
-                "fc output, no norm before fc, pre-norm hidden fed back)"
-            )
+    if config.get("norm_before_residual"):
+        raise ValueError(
+            f"{what} uses norm_before_residual=true; draftlab's head has the raw fc output "
+            "as the first layer's residual"
+        )
+    # EAGLE-3.1 (models/eagle.py): the draft it loads into must be built with the same options
+    norms = {k: bool(config.get(k)) for k in ("norm_before_fc", "fc_norm", "norm_output")}
     if config.get("target_hidden_size") not in (None, target.hidden_size):
         raise ValueError(
             f"{what} reads {config['target_hidden_size']}-wide target features, the target "
@@ -59,7 +60,7 @@ def read_eagle_export(path: Path, target: Target) -> tuple[dict[str, Tensor], di
     reduced = draft_vocab < target.vocab_size
     if EMBEDDING in weights:  # ours in speculators; other trainers' in either layout
         _check_embedding(weights.pop(EMBEDDING), target, what)  # the head reads the target's
-    expected = served_keys(style, reduced, prefix)
+    expected = served_keys(style, reduced, prefix, norms=norms | {"taps": len(taps)})
     unknown, missing = sorted(set(weights) - expected), sorted(expected - set(weights))
     if unknown or missing:
         raise ValueError(
@@ -99,6 +100,7 @@ def read_eagle_export(path: Path, target: Target) -> tuple[dict[str, Tensor], di
         "draft_vocab_size": draft_vocab,
         "intermediate_size": int(layer["intermediate_size"]),
         "train_head": train_head,
+        **{k: v for k, v in norms.items() if v},  # EAGLE-3.1's options, where set
     }
     return state, settings
 
@@ -133,6 +135,12 @@ def in_tap_order(
     state["fc.weight"] = fc.view(H, len(taps), H)[:, blocks].reshape(H, len(taps) * H)
     if "tap_scale" in state:
         state["tap_scale"] = state["tap_scale"][blocks]
+    if "input_norm.weight" in state:  # EAGLE-3.1: one weight per tap block, and one norm per tap
+        weight = state["input_norm.weight"].view(len(taps), H)[blocks]
+        state["input_norm.weight"] = weight.reshape(-1)
+    if "fc_norm.0.weight" in state:
+        norms = [state[f"fc_norm.{j}.weight"] for j in range(len(taps))]
+        state |= {f"fc_norm.{i}.weight": norms[j] for i, j in enumerate(blocks)}
     return state, settings | {"layers": layers}
 
 

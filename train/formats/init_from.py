@@ -46,6 +46,7 @@ from models.eagle import EagleDraft
 from models.medusa import MedusaHeads
 from models.target import Target
 from train.checkpoint import PREFIX, latest_checkpoint, load_tensors
+from train.formats.eagle import norm_flags
 from train.formats.eagle_read import in_tap_order, read_eagle_export
 from train.formats.export import (
     IDENTITY_FILE,
@@ -75,6 +76,9 @@ SHAPE_HINTS = {"lora_": "lora_rank", "mlp.": "intermediate_size", "d2t": "vocab_
 # HF config fields that change a draft LM's maths without changing any tensor's shape.
 HF_MATHS = ("model_type", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
             "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")  # fmt: skip
+
+
+NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1 (models/eagle.py)
 
 
 class InitError(ValueError):
@@ -350,6 +354,12 @@ def _read_eagle(path: Path, draft: nn.Module, target: Target, fmt: str) -> tuple
             f"{path} holds an {s['style']} head, the config builds {draft.style}: set "
             f"draft={'eagle1' if s['style'] == 'eagle1' else 'eagle'}"
         )
+    # EAGLE-3.1's options change the maths (norm_output without any weight): set alike
+    flags = {k: bool(s.get(k)) for k in NORM_FLAGS}
+    built = {k: v for k, v in norm_flags(draft).items() if k in NORM_FLAGS}
+    if flags != built:
+        fix = " ".join(f"draft.model.{k}={str(v).lower()}" for k, v in flags.items())
+        raise InitError(f"{path} was trained with {flags}, the config builds {built}: set {fix}")
     # The taps' weights have the same shapes whichever layers they read (in this order).
     n, taps = target.num_layers + 1, s.get("layers")  # hidden_states indices, -1 = the last
     if taps is not None and [i % n for i in taps] != [i % n for i in draft.hidden_layers]:
