@@ -15,7 +15,8 @@
 #          equal those of an uninterrupted 4-step run (loss, grad_norm)
 #   memory the embedded SmolLM2 (EAGLE-3, 2 steps, batch 4 x 512): the memory plan printed at
 #          start (scripts/plan.py) beside torch.cuda.max_memory_allocated of the run; PASS
-#          when the measured peak is within the plan (an upper bound) and above half of it
+#          when torch.cuda.max_memory_allocated is within the plan (an upper bound) and above
+#          half of it (GPU_CHECK_DEVICE=cpu: the peak RSS within 15% of the plan)
 # Optional, by name in GPU_CHECK_STEPS: `bench` (scripts/bench_decode.py on the embedded
 # SmolLM2 in bf16, eager) and `compiled` (the same, eager and compiled side by side; EAGLE_CKPT
 # names a trained EAGLE checkpoint, default `fresh`: untrained heads, timings only, tau ~ 1).
@@ -100,6 +101,43 @@ sys.exit(1 if problems else 0)
 PY
 }
 
+check_policy() {  # summary.json -> the FSDP record; fails unless sharded under the bf16 policy
+  "$PY" - "$1" <<'PY'
+import json, sys
+s = json.load(open(f"{sys.argv[1]}/summary.json"))["strategy"]
+p = s.get("mixed_precision") or {}
+print(f"{s['kind']} sharded={s['draft_sharded']} policy={p}")
+ok = s["kind"] == "fsdp" and s["draft_sharded"] and p.get("param_dtype") == "bfloat16"
+sys.exit(0 if ok and p.get("reduce_dtype") == "float32" else 1)
+PY
+}
+
+check_resumed() {  # two run dirs -> steps 3-4 equal in loss and grad_norm
+  "$PY" - "$1" "$2" <<'PY'
+import json, sys
+def train(d):
+    rows = [json.loads(x) for x in open(f"{d}/metrics.jsonl")]
+    return {r["step"]: r for r in rows if r.get("kind") == "train"}
+a, b = train(sys.argv[1]), train(sys.argv[2])
+same = all(a[s]["loss"] == b[s]["loss"] and a[s]["grad_norm"] == b[s]["grad_norm"] for s in (3, 4))
+print(f"steps 3-4 loss {[a[s]['loss'] for s in (3, 4)]}, resumed {[b[s]['loss'] for s in (3, 4)]}")
+sys.exit(0 if same else 1)
+PY
+}
+
+check_memory() {  # summary.json -> the plan beside the measured peak
+  "$PY" - "$1" <<'PY'
+import json, sys
+m = json.load(open(f"{sys.argv[1]}/summary.json"))["memory"]
+plan, cuda = m["plan_peak_bytes"], m["peak_cuda_allocated_bytes"]
+got = cuda or m["peak_rss_bytes"]
+what = "torch.cuda.max_memory_allocated" if cuda else "peak RSS"
+print(f"plan {plan / 2**30:.2f} GiB, {what} {got / 2**30:.2f} GiB ({got / plan:.2f}x)")
+# CUDA: the plan is an upper bound of what torch allocates; a CPU's RSS: within 15%
+sys.exit(0 if (plan / 2 <= got <= plan if cuda else abs(got / plan - 1) <= 0.15) else 1)
+PY
+}
+
 # A 2-step run of one kind on the tiny target (each kind's own draft defaults, as
 # `python train.py draft=<kind>` composes them), evaluated eagerly and compiled.
 COMMON=(target=tiny_random data=tiny logger=none "device=$DEVICE" train.steps=2 train.ckpt_every=2
@@ -139,34 +177,31 @@ if want fsdp; then
     report fsdp SKIP "$gpus GPU visible; a 2-process FSDP run needs 2"
   else
     dir="$OUT_DIR/fsdp"
-    launch=(--config_file conf/accelerate/fsdp.yaml); [ "$DEVICE" = cpu ] && launch+=(--cpu)
+    launch=(--config_file conf/accelerate/fsdp.yaml)  # on a CPU: gloo, as tests/test_parallel.py
     timeout "$((2 * LIMIT))" "$PY" -m accelerate.commands.launch "${launch[@]}" --num_processes 2 \
       train.py "${COMMON[@]}" draft=eagle train.bf16=true "run_dir=$dir" > "$OUT_DIR/fsdp.log" 2>&1
     rc=$?
     if [ $rc -ne 0 ]; then report fsdp FAIL "rc $rc: $(grep -v '^\s*$' "$OUT_DIR/fsdp.log" | tail -1 | cut -c1-200)"
     elif ! detail=$(check_run "$dir"); then report fsdp FAIL "$detail"
-    elif policy=$("$PY" -c 'import json, sys; s = json.load(open(sys.argv[1]))["strategy"]; p = s.get("mixed_precision") or {}
-ok = s["kind"] == "fsdp" and s["draft_sharded"] and p.get("param_dtype") == "bfloat16" and p.get("reduce_dtype") == "float32"
-print(f"{s[\"kind\"]} sharded={s[\"draft_sharded\"]} policy={p}"); sys.exit(0 if ok else 1)' "$dir/summary.json"); then
+    elif policy=$(check_policy "$dir"); then
       report fsdp PASS "$detail; $policy"
     else report fsdp FAIL "strategy record: $policy"; fi
   fi
 fi
 
 if want resume; then
+  # a constant LR: the 2-step segment's schedule is then the 4-step run's (a resumed run keeps
+  # the schedule it started with)
   base=(target=tiny_random data=tiny logger=none "device=$DEVICE" train.batch_size=4 train.ckpt_every=2
-        train.log_every=1 train.eval_at_ckpt=false train.time_budget_s=null overwrite=true draft=eagle)
+        train.log_every=1 train.eval_at_ckpt=false train.time_budget_s=null overwrite=true draft=eagle
+        optim.warmup_steps=0 optim.min_lr_ratio=1.0)
   whole="$OUT_DIR/resume/whole"; part="$OUT_DIR/resume/part"
   timeout "$LIMIT" "$PY" train.py "${base[@]}" train.steps=4 "run_dir=$whole" > "$OUT_DIR/resume_whole.log" 2>&1 \
     && timeout "$LIMIT" "$PY" train.py "${base[@]}" train.steps=2 "run_dir=$part" > "$OUT_DIR/resume_part.log" 2>&1 \
     && timeout "$LIMIT" "$PY" train.py "${base[@]//overwrite=true/overwrite=false}" train.steps=4 resume=true "run_dir=$part" >> "$OUT_DIR/resume_part.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then report resume FAIL "rc $rc: $(grep -v '^\s*$' "$OUT_DIR/resume_part.log" | tail -1 | cut -c1-200)"
-  elif detail=$("$PY" -c 'import json, sys
-rec = lambda d: {r["step"]: r for r in map(json.loads, open(f"{d}/metrics.jsonl")) if r.get("kind") == "train"}
-a, b = rec(sys.argv[1]), rec(sys.argv[2])
-same = all(a[s]["loss"] == b[s]["loss"] and a[s]["grad_norm"] == b[s]["grad_norm"] for s in (3, 4))
-print(f"steps 3-4 loss {[a[s][\"loss\"] for s in (3, 4)]} vs resumed {[b[s][\"loss\"] for s in (3, 4)]}"); sys.exit(0 if same else 1)' "$whole" "$part"); then
+  elif detail=$(check_resumed "$whole" "$part"); then
     report resume PASS "$detail"
   else report resume FAIL "$detail"; fi
 fi
@@ -174,15 +209,12 @@ fi
 if want memory; then
   dir="$OUT_DIR/memory"
   mem=(+experiment=eagle_tv logger=none "device=$DEVICE" train.steps=2 train.eval_at_ckpt=false
-       train.heldout_proxy=false data.num_train=32 overwrite=true "run_dir=$dir")
+       train.heldout_proxy=false data.num_train=32 data.regenerate=false overwrite=true "run_dir=$dir")
   "$PY" scripts/plan.py "${mem[@]}" > "$OUT_DIR/memory_plan.txt" 2>&1
   timeout "$((3 * LIMIT))" "$PY" train.py "${mem[@]}" > "$OUT_DIR/memory.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then report memory FAIL "rc $rc: $(grep -v '^\s*$' "$OUT_DIR/memory.log" | tail -1 | cut -c1-200)"
-  elif detail=$("$PY" -c 'import json, sys
-m = json.load(open(sys.argv[1]))["memory"]
-plan, got = m["plan_peak_bytes"], m["peak_cuda_allocated_bytes"] or m["peak_rss_bytes"]
-print(f"plan {plan / 2**30:.2f} GiB, measured {got / 2**30:.2f} GiB ({got / plan:.2f}x)"); sys.exit(0 if plan / 2 <= got <= plan else 1)' "$dir/summary.json"); then
+  elif detail=$(check_memory "$dir"); then
     report memory PASS "$detail"
   else report memory FAIL "$detail"; fi
 fi

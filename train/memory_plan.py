@@ -11,8 +11,8 @@ saves for the backward (`torch.autograd.graph.saved_tensors_hooks`). What each l
   optimizer    AdamW: 2 float32 states per trainable parameter, plus a float32 master copy
                when the parameters are not float32 (Muon: counted the same, an upper bound)
   activations  the saved tensors of one draft forward at train.batch_size x data.max_len,
-               plus the target's output the step keeps (logits, taps) and the draft's logits
-               with their gradients; with gradient checkpointing of the draft's attention
+               plus the target's output the step keeps (logits, taps), the draft's logits
+               with their gradients, and the loss's float32 working copies of one offset; with gradient checkpointing of the draft's attention
                blocks: each block call keeps its input and one block's saved tensors at once
   evaluation   the copies decoding makes: the target in decode.dtype when that differs from
                its training dtype, and the draft in decode.dtype
@@ -206,11 +206,12 @@ def activation_bytes(
     in_blocks = sum(s for s, _ in calls)
     checkpointed = saved["bytes"] - in_blocks + sum(i for _, i in calls)
     checkpointed += max((s for s, _ in calls), default=0)
-    largest = max((x.numel() * 4 for x in out.logits), default=0)
-    # no gradients: the draft's float32 logits once, and the loss's float32 working copies of
-    # an offset's rows (the draft's, the target's at its ids, a log-softmax: three at once)
-    no_grad = logits // 2 + 3 * largest
-    return saved["bytes"] + kept + logits, checkpointed + kept + logits, no_grad
+    # the loss's float32 working copies of one offset's rows (the draft's, the target's at its
+    # ids, a log-softmax: three at once), beside what the step keeps; without gradients the
+    # draft's float32 logits once
+    working = 3 * max((x.numel() * 4 for x in out.logits), default=0)
+    no_grad = logits // 2 + working
+    return saved["bytes"] + kept + logits + working, checkpointed + kept + logits + working, no_grad
 
 
 def plan_memory(
