@@ -39,7 +39,12 @@ Frozen pieces from the target at call time: the embedding (the anchor token) and
 head (with a reduced vocabulary, models/vocab.py: its rows at the draft ids `vocab_ids`).
 Trained: fc, hidden_norm, the layers, norm (initialised from the target's final norm) and
 `mask_embedding`, the one input vector of every mask position (DFlash uses a spare token id
-of the target's vocabulary; a learned vector needs none). Domino (models/domino.py) adds a
+of the target's vocabulary; a learned vector needs none). The served variant
+(`mask_token_id` set, `qk_norm=True`; +experiment=dflash_served_kl) is the layout serving
+engines load (speculators' `dflash`, z-lab's): the mask positions read the target's frozen
+embedding of `mask_token_id` (a non-persistent buffer `mask_vector`, not trained), and the
+layers normalise queries and keys per head as Qwen3 layers do (train/formats/dflash.py
+exports it). Domino (models/domino.py) adds a
 causal correction head to this backbone. Both build their layers from models/dflash_layer.py
 and start from the target through models/dflash_init.py.
 """
@@ -55,7 +60,13 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from models import vocab
-from models.dflash_init import check_layers, draft_sizes, draft_vocab, init_from_target
+from models.dflash_init import (
+    check_layers,
+    draft_sizes,
+    draft_vocab,
+    init_from_target,
+    resolve_mask_token,
+)
 from models.dflash_layer import DFlashLayer
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
@@ -82,6 +93,8 @@ class DFlashDraft(nn.Module):
         gamma: float | None = 4.0,
         target_vocab_size: int | None = None,
         draft_vocab_size: int | None = None,  # None = the target's whole head
+        mask_token_id: int | None = None,  # None: a learned mask vector; an id: its embedding
+        qk_norm: bool = False,  # Qwen3's per-head q/k norms (the served layout)
     ):
         super().__init__()
         if block_size < 2:
@@ -116,9 +129,13 @@ class DFlashDraft(nn.Module):
         H = hidden_size
         self.fc = nn.Linear(len(self.hidden_layers) * H, H, bias=False)  # fuses the taps
         self.hidden_norm = LlamaRMSNorm(H, eps=rms_norm_eps)  # on the fused context
-        self.layers = nn.ModuleList(DFlashLayer(self.config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(DFlashLayer(self.config, qk_norm) for _ in range(num_layers))
         self.norm = LlamaRMSNorm(H, eps=rms_norm_eps)  # before the shared head
-        self.mask_embedding = nn.Parameter(torch.zeros(H))  # every mask position's input
+        self.mask_token_id, self.qk_norm = mask_token_id, qk_norm
+        if mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(H))  # every mask position's input
+        else:  # the target's embedding of the id, frozen; set by from_target, never saved
+            self.register_buffer("mask_vector", torch.zeros(H), persistent=False)
         self.target_vocab_size, self.draft_vocab_size = target_vocab_size, draft_vocab_size
         vocab.attach(self, "ids", draft_vocab_size, target_vocab_size)  # vocab_ids [N] or None
         # inv_freq is a non-persistent buffer; decoding copies go through
@@ -156,7 +173,8 @@ class DFlashDraft(nn.Module):
         B, N, H = anchor_embeds.shape
         P = self.block_size
         dtype = self.fc.weight.dtype
-        masks = self.mask_embedding.to(dtype).expand(B, N, P - 1, H)
+        mask = self.mask_embedding if self.mask_token_id is None else self.mask_vector
+        masks = mask.to(dtype).expand(B, N, P - 1, H)
         x = torch.cat([anchor_embeds.to(dtype)[:, :, None], masks], dim=2)  # [B, N, P, H]
         positions = anchor_positions[..., None] + torch.arange(P, device=x.device)  # [B, N, P]
         cos, sin = self.rotary(x, positions.view(B, N * P))  # [B, N*P, D]
@@ -281,6 +299,8 @@ def from_target(
     gamma: float | None = 4.0,
     intermediate_size: int | None = None,
     vocab_size: int | str = "full",
+    mask_token_id: int | str | None = None,
+    qk_norm: bool = False,
 ) -> DFlashDraft:
     """A DFlash draft sized from `target`. `block_size`: anchor + predicted positions (at
     most block_size - 1 drafts per forward). `layers`: target hidden_states indices to fuse
@@ -289,7 +309,9 @@ def from_target(
     exp(-(i-1)/gamma) (None: train.offset_decay ** (i-1)). `vocab_size`: "full" (the
     target's head, as DFlash) or N: predict over the N most frequent trained tokens, the
     target's head rows for them (EAGLE-3's reduced vocabulary; needs `token_counts` or a
-    checkpoint's vocab_ids)."""
+    checkpoint's vocab_ids). `mask_token_id`: None (a learned mask vector), an id, or "auto"
+    (the tokenizer's mask token, else its pad token): the mask positions read the target's
+    embedding of it; with `qk_norm` the served layout (module docstring)."""
     draft = DFlashDraft(
         **draft_sizes(target, intermediate_size),
         **draft_vocab(target, vocab_size),
@@ -298,6 +320,8 @@ def from_target(
         block_size=block_size,
         num_anchors=num_anchors,
         gamma=gamma,
+        mask_token_id=resolve_mask_token(target, mask_token_id),
+        qk_norm=qk_norm,
     )
     init_from_target(draft, target, token_counts)
     return draft.to(device=target.device)

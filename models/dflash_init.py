@@ -75,5 +75,37 @@ def init_from_target(draft: nn.Module, target: Target, token_counts: Tensor | No
     with torch.no_grad():
         draft.norm.weight.copy_(target.final_norm_weight)
         # A number: a GPU scalar times a CPU randn raises; drawn on the CPU on every device.
+        if draft.mask_token_id is not None:  # the served layout: the target's own row
+            ids = torch.tensor([draft.mask_token_id], device=target.embed_tokens.weight.device)
+            draft.mask_vector.copy_(target.embed_tokens(ids)[0].to(draft.mask_vector))
+            return
         std = float(target.embed_tokens.weight.float().std())
         draft.mask_embedding.copy_(torch.randn(draft.mask_embedding.shape) * std)
+
+
+def resolve_mask_token(target: Target, setting: int | str | None) -> int | None:
+    """draft.model.mask_token_id: None (a learned vector), an id of the target's vocabulary, or
+    "auto": the tokenizer's mask token, else its pad token."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        tok = target.tokenizer
+        found = None if tok is None else next(
+            (i for i in (tok.mask_token_id, tok.pad_token_id) if i is not None), None
+        )  # fmt: skip
+        if found is None:
+            raise ValueError(
+                "mask_token_id=auto: the target's tokenizer has neither a mask nor a pad token; "
+                "set draft.model.mask_token_id to an id of its vocabulary"
+            )
+        return int(found)
+    if (
+        isinstance(setting, bool)
+        or not isinstance(setting, int)
+        or not 0 <= setting < target.vocab_size
+    ):
+        raise ValueError(
+            f"mask_token_id={setting!r}: give an id in 0..{target.vocab_size - 1}, auto, or null "
+            "(a learned mask vector)"
+        )
+    return setting

@@ -62,6 +62,7 @@ from models.medusa import MedusaHeads
 from models.target import Target
 from train.checkpoint import load_draft
 from train.formats.checks import ExportError, check_finite, check_keys, check_vocab, read_back
+from train.formats.dflash import export_dflash_speculators
 from train.formats.eagle import export_eagle, export_speculators
 from train.formats.kinds import check_kind_format, module_export_kind
 
@@ -318,8 +319,10 @@ def export(
         "medusa": lambda tmp, final: export_medusa(draft, target, tmp, final),
         "vllm-medusa": lambda tmp, final: export_vllm_medusa(draft, target, tmp, final),
         "eagle": lambda tmp, final: export_eagle(draft, target, tmp, final),
-        "speculators": lambda tmp, final: export_speculators(
-            draft, target, tmp, final, verifier, speculative_tokens
+        "speculators": lambda tmp, final: (
+            export_dflash_speculators(draft, target, tmp, final, verifier)
+            if module_export_kind(draft) == "dflash_served"
+            else export_speculators(draft, target, tmp, final, verifier, speculative_tokens)
         ),
     }
     out = Path(out)

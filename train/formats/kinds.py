@@ -23,7 +23,8 @@ EXPORT_FORMATS: dict[str, tuple[str, ...]] = {
     "eagle": ("speculators", "eagle"),  # EAGLE-3
     "eagle1": ("eagle",),
     "mtp": (),
-    "dflash": (),
+    "dflash": (),  # the learned-mask-vector layout
+    "dflash_served": ("speculators",),  # mask_token_id + qk_norm (models/dflash.py)
     "domino": (),
 }
 FORMATS = ("hf", "medusa", "vllm-medusa", "eagle", "speculators")
@@ -47,11 +48,13 @@ REFUSED: dict[str, str] = {
         "Evaluate it with scripts/evaluate.py instead."
     ),
     "dflash": (
-        "DFlash checkpoints are not exported: SGLang, the z-lab reference and speculators load "
-        "z-lab's DFlash layout (Qwen3 draft layers with q_norm / k_norm, and a mask token id "
-        "whose embedding row feeds the mask positions); draftlab's DFlash has Llama layers and "
-        "a learned mask vector with no token id, so no key map gives the same maths "
-        "(docs/dflash.md). Evaluate it with scripts/evaluate.py instead."
+        "this DFlash checkpoint is not exported: SGLang, the z-lab reference and speculators "
+        "load z-lab's DFlash layout (Qwen3 draft layers with q_norm / k_norm, and a mask token "
+        "id whose embedding row feeds the mask positions); this draft has Llama layers and a "
+        "learned mask vector with no token id, so no key map gives the same maths "
+        "(docs/dflash.md). Train the served variant instead (draft.model.mask_token_id=auto "
+        "draft.model.qk_norm=true, +experiment=dflash_served_kl): --format speculators "
+        "writes it."
     ),
     "domino": (
         "Domino checkpoints are not exported: its backbone is draftlab's DFlash layout, which "
@@ -75,6 +78,12 @@ def module_export_kind(draft: nn.Module) -> str:
         return "medusa2"
     if isinstance(draft, EagleDraft) and draft.style == "eagle1":
         return "eagle1"
+    if (
+        draft.kind == "dflash"
+        and getattr(draft, "mask_token_id", None) is not None
+        and draft.qk_norm
+    ):
+        return "dflash_served"
     return draft.kind
 
 
@@ -97,6 +106,8 @@ def config_export_kind(draft_cfg: Mapping) -> str:
         return "medusa2"
     if kind == "eagle" and model.get("style") == "eagle1":
         return "eagle1"
+    if kind == "dflash" and model.get("mask_token_id") is not None and model.get("qk_norm"):
+        return "dflash_served"
     return kind
 
 
