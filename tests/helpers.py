@@ -6,6 +6,7 @@ data files. Fixtures shared by several files are in tests/conftest.py."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -37,6 +38,14 @@ TINY_CPU_RUN = ("target=tiny_random", "data=tiny", "logger=none", "device=cpu", 
 
 
 # -- configs and run directories ---------------------------------------------------------
+
+
+def export_script():
+    """scripts/export.py as a module: its `main(argv)` runs the export as the command does."""
+    spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts" / "export.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
 
 
 def compose_train(*overrides: str) -> DictConfig:

@@ -6,7 +6,6 @@ speculators`, then `SpeculatorModel.from_pretrained(DIR)` and its anchored-block
 |Δ log-softmax| <= 1e-4, full and reduced vocabulary, taps listed out of order, eager and
 sdpa attention. The learned-mask-vector layout is refused before the target loads."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from speculators import SpeculatorModel, SpeculatorModelConfig
 
 from models import dflash, vocab
 from models.target_loaders import build_tiny_random
+from tests.helpers import export_script
 from train.checkpoint import save_checkpoint
 
 torch.set_num_threads(1)
@@ -35,14 +35,6 @@ def verifier_dir(target, tmp_path_factory):
     path = tmp_path_factory.mktemp("verifier")
     target.model.save_pretrained(path)
     return path
-
-
-def _export_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "export.py"
-    spec = importlib.util.spec_from_file_location("export_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
 
 
 def _checkpoint(run: Path, target, model: dict):
@@ -104,7 +96,7 @@ def test_speculators_library_gives_our_dflash_logits(target, verifier_dir, tmp_p
     ckpt, draft = _checkpoint(tmp_path / "run", target, model)
     assert torch.equal(draft.mask_vector, target.embed_tokens.weight[5])  # frozen, the target's
     out = tmp_path / "s"
-    _export_script().main([str(ckpt), "--format", "speculators", "--out", str(out),
+    export_script().main([str(ckpt), "--format", "speculators", "--out", str(out),
                            "--verifier", str(verifier_dir)])  # fmt: skip
     seq = torch.randint(6, target.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
     anchors = [2, 7, 11, 15]  # the library leaves the last B positions out
@@ -121,6 +113,6 @@ def test_the_learned_mask_layout_is_refused_before_the_target_loads(target, tmp_
              "layers": [3], "num_anchors": None}  # fmt: skip
     ckpt, _ = _checkpoint(tmp_path / "run", target, model)
     with pytest.raises(SystemExit, match="learned mask vector.*experiment=dflash_served_kl"):
-        _export_script().main([str(ckpt), "--format", "speculators", "--out", str(tmp_path / "x"),
+        export_script().main([str(ckpt), "--format", "speculators", "--out", str(tmp_path / "x"),
                                "--verifier", "x"])  # fmt: skip
     assert not (tmp_path / "x").exists()

@@ -4,9 +4,7 @@ independent re-implementation of the Medusa maths reproduces draftlab's heads fr
 exported files, the exported draft LM runs as HF `assistant_model` and loads back through
 `init_from`, and every refusal writes nothing."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from decoding.drafters import make_drafter
 from models import draft_lm, eagle, medusa, mtp
 from models.draft_lm import DraftLM
 from models.target_loaders import build_tiny_random
+from tests.helpers import export_script
 from train.checkpoint import save_checkpoint
 from train.formats.export import ExportError, export
 
@@ -216,11 +215,7 @@ def test_medusa2_exports_merged_target(target, tmp_path):
 
 
 def test_cli_exports_a_checkpoint_and_refuses_cleanly(target, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location(
-        "export_script", Path(__file__).resolve().parents[1] / "scripts" / "export.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = export_script()
     run = tmp_path / "run"
     run.mkdir()
     target_cfg = {"_target_": "models.target_loaders.build_tiny_random", "seed": 0}
@@ -248,11 +243,7 @@ def test_an_export_names_its_target_and_refuses_another(target, tmp_path):
     from train.formats.init_from import InitError, init_draft_from
     from train.identity import target_identity
 
-    spec = importlib.util.spec_from_file_location(
-        "export_script", Path(__file__).resolve().parents[1] / "scripts" / "export.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = export_script()
     run = tmp_path / "run"
     run.mkdir()
     target_cfg = {"_target_": "models.target_loaders.build_tiny_random", "seed": 0}

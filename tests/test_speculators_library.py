@@ -12,7 +12,6 @@ attention; one case trains on non-default taps listed out of order. The verifier
 target saved to a directory (the library reads its config and final norm from there); marked
 slow, the embedded SmolLM2 with taps [27, 2, 15] and its converted directory as verifier."""
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -26,6 +25,7 @@ from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from models import eagle
 from models.target_loaders import build_tiny_random, convert_smollm2, load_smollm2
+from tests.helpers import export_script
 from train.checkpoint import save_checkpoint
 from train.formats.export import export
 
@@ -47,15 +47,6 @@ def verifier_dir(target, tmp_path_factory):
     path = tmp_path_factory.mktemp("verifier")
     target.model.save_pretrained(path)
     return path
-
-
-def _export_script():
-    spec = importlib.util.spec_from_file_location(
-        "export_script", Path(__file__).resolve().parents[1] / "scripts" / "export.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
 
 
 def _checkpoint(run: Path, target, layers, vocab_size, train_head, norms=None):
@@ -134,7 +125,7 @@ EAGLE31 = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1's options
 def test_speculators_library_gives_our_logits(
     target, verifier_dir, tmp_path, layers, vocab_size, train_head, norms
 ):
-    script = _export_script()
+    script = export_script()
     ckpt, draft = _checkpoint(tmp_path / "run", target, layers, vocab_size, train_head, norms)
     with pytest.raises(SystemExit, match="pass --verifier ID"):  # the tiny target has no hub id
         script.main([str(ckpt), "--format", "speculators", "--out", str(tmp_path / "x")])
