@@ -18,17 +18,17 @@ and larger machines.
 
 Medusa-2 (`medusa2=True`): joint training with a LoRA adapter (peft) on the target's
 backbone: new modules over the target's own frozen weight tensors (no second copy), the
-LoRA matrices float32 whatever the target's dtype. The training loop keeps running the frozen original target under
-no-grad; its logits are the teacher for every head AND for the adapted backbone's own
-next-token prediction (lm_loss_weight * KL(p_target || p_adapted) over all real tokens,
-computed by the training step from `DraftOutput.adapted_logits`: train/step_stats.py),
-which keeps the adapted model's outputs where they were. The heads read the
-adapted hidden state. The copy's frozen base weights are dropped from `state_dict`, so a
+LoRA matrices float32 whatever the target's dtype. The training loop keeps running the
+frozen original target under no-grad; its logits are the teacher for every head AND for the
+adapted backbone's own next-token prediction (lm_loss_weight * KL(p_target || p_adapted)
+over all real tokens, computed by the training step from `DraftOutput.adapted_logits`:
+train/step_stats.py), which keeps the adapted model's outputs where they were. The heads
+read the adapted hidden state. The frozen base weights are dropped from `state_dict`, so a
 checkpoint holds only the heads and the LoRA matrices. At decode time `decoding_target()`
 gives the adapted model to verify with (again over the decoding target's own weights, the
-LoRA beside them, not merged); an export merges it into a copy (`merged_causal_lm`); verifying with the original target
-still works (the LoRA is kept close to it) but the heads then read slightly different
-features from the ones they were trained on.
+LoRA beside them, not merged); an export merges it into a copy (`merged_causal_lm`).
+Verifying with the original target still works (the LoRA is kept close to it) but the heads
+then read slightly different features from the ones they were trained on.
 
 The decoder's drafter (chains and static trees) is decoding/drafters/medusa.py.
 """

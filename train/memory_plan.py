@@ -138,12 +138,8 @@ def fused_attention(
     """`F.scaled_dot_product_attention` as a fused kernel runs it (flash attention, on CPU and
     CUDA): it saves q, k, v, the output and a logsumexp per row for the backward, not the
     [B, heads, T, T] probabilities of PyTorch's math path, the one meta tensors would take.
-    Counted through the CPU flash kernel's own meta function."""
-    # grouped k, v: the meta function takes them as they are (saved once, as the kernel
-    # does); a real kernel needs them repeated
-    if enable_gqa and key.shape[-3] != query.shape[-3] and not query.is_meta:
-        groups = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    Counted through the CPU flash kernel's own meta function, on meta tensors only: it
+    takes grouped k, v as they are (`enable_gqa`: saved once, as the kernel does)."""
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # additive, as the kernel takes
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
