@@ -35,6 +35,7 @@ guards, quick enough for tests).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from decoding.rounds import sync
+from models.dtype_choice import cache_root
 from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput
 
@@ -94,8 +96,32 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     if mode not in MODES:
         raise ValueError(f"compile mode {mode!r}; use one of {MODES}")
     if mode == "auto":
+        # CPU: GEMM autotuning. Inductor's default compiled in less time (95 s against 241
+        # for the verify of 4 and the AR step) but ran them at 36-39 ms against 20 (eager
+        # 55-63), and a flagship evaluation with it took 763 s (compiling 203) where one with
+        # autotuning had taken 588 (compiling 324; another day): the default's slower forwards
+        # cost more than its compiling saved.
         return "reduce-overhead" if device.type == "cuda" else "max-autotune-no-cudagraphs"
     return mode
+
+
+# Set before this module was imported: the user's (inductor sets it too, once it compiles).
+USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def use_compile_cache(cache_dir: str | None) -> str | None:
+    """Inductor's on-disk cache (generated kernels, compiled C++, autotuning results) in
+    <cache root>/inductor (models.dtype_choice.cache_root, beside the dtype verdicts) instead
+    of a temporary directory that every new machine and every cleaned /tmp compiles into
+    again; a TORCHINDUCTOR_CACHE_DIR set before this module was imported stays. Inductor
+    reads the variable when it compiles, so this only has to run before the first compile.
+    Frozen CPU graphs hold packed weights its graph cache cannot store, so a warm cache saves
+    code generation and the C++ compiler, not the tracing (docs/fastpath.md). -> the dir."""
+    if USER_COMPILE_CACHE is not None:
+        return USER_COMPILE_CACHE
+    path = str(cache_root(cache_dir) / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
 
 
 @cache

@@ -90,10 +90,15 @@ def pick_fastest(seconds: dict[str, float]) -> str:
     return min(seconds, key=lambda name: (seconds[name], list(seconds).index(name)))
 
 
-def cache_file(cache_dir: str | Path | None, key: dict) -> Path:
-    root = Path(
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """data.cache_dir, else $DRAFTLAB_CACHE, else ~/.cache/draftlab."""
+    return Path(
         cache_dir or os.environ.get("DRAFTLAB_CACHE") or Path.home() / ".cache" / "draftlab"
-    )
+    ).expanduser()
+
+
+def cache_file(cache_dir: str | Path | None, key: dict) -> Path:
+    root = cache_root(cache_dir)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return root / "dtype" / f"{digest}.json"
 

@@ -125,6 +125,12 @@ def test_compile_auto_takes_the_faster_path_and_remembers_it(target, monkeypatch
     verdicts = [v for v in verdicts if v["key"]["use"] == "compile"]
     assert len(verdicts) == 1 and verdicts[0]["dtype"] == faster
 
+    costs = [json.loads(f.read_text()) for f in (tmp_path / "dtype").glob("*.json")]
+    costs = [c for c in costs if c["key"]["use"] == "compile_s"]  # what compiling cost
+    assert len(costs) == 1 and costs[0]["seconds"] > 0
+    for f in (tmp_path / "dtype").glob("*.json"):  # compiling repaid (the weighing: below)
+        if json.loads(f.read_text())["key"]["use"] == "compile_s":
+            f.write_text(json.dumps(costs[0] | {"seconds": 0.0}))
     asked.clear()  # a later run on this machine: the cached verdict, nothing measured
     again, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
     assert again["dtypes"]["compile"]["source"] == "cached" and asked == []
@@ -177,3 +183,57 @@ def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(targe
     after = target.model.state_dict()
     assert target.dtype == torch.float32
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_compile_auto_weighs_the_recorded_compile_seconds(target, monkeypatch, tmp_path):
+    """A machine that compiled before knows the compiled verify's saving per forward and what
+    compiling cost: an evaluation whose forwards cannot repay it decodes eagerly and compiles
+    nothing ("weighed"), one that can compiles; the bound counts every AR step and one verify
+    per new token at every temperature."""
+    fake_forward_seconds(monkeypatch, 0.2, 0.1)
+    draft = draft_lm.from_target(target, num_layers=2, init="random")
+    evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)  # measures
+    (cost_file,) = [f for f in (tmp_path / "dtype").glob("*.json")
+                    if json.loads(f.read_text())["key"]["use"] == "compile_s"]  # fmt: skip
+    forwards = 12 * 1 * 2 * 2  # max_new_tokens x temperatures x (AR + verify) x prompts
+    for compile_s, want in ((forwards * 0.1 + 1.0, "eager"), (forwards * 0.1 - 1.0, "compiled")):
+        cost_file.write_text(json.dumps({"key": {"use": "compile_s"}, "seconds": compile_s}))
+        torch._dynamo.reset()
+        calls = recorded_decodes(monkeypatch)
+        result, copies = evaluate_checkpoint(
+            target, draft, eval_prompts(), auto_cfg(tmp_path), None
+        )  # fmt: skip
+        choice = result["dtypes"]["compile"]
+        assert choice["dtype"] == want
+        assert choice["source"] == ("weighed" if want == "eager" else "cached")
+        assert {path for path, speculative in calls if speculative} == {want}
+        assert (
+            ("compiled", False) in calls
+            if want == "compiled"
+            else {p for p, _ in calls} == {"eager"}
+        )  # compiled: its AR too; eager: nothing compiled
+        assert (copies.compiled is None) == (want == "eager")
+        if want == "eager":
+            assert choice["seconds"]["compile"] == compile_s
+            assert choice["seconds"]["saved at most"] == pytest.approx(forwards * 0.1)
+
+
+def test_compile_only_decodes_the_eager_ar_at_the_headline_sampling_alone(target, monkeypatch):
+    """With two temperatures the eager AR (the slowest pass) is decoded at greedy only, listed
+    second or not; the sampled row divides its tokens/s by that measurement."""
+    calls = recorded_decodes(monkeypatch)
+    draft = draft_lm.from_target(target, num_layers=2, init="random")
+    cfg = eval_cfg(compile="only", temperatures=[0.9, 0.0])
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
+    per_prompt = [("compiled", False), ("compiled", True)]
+    # greedy first: warm-up + 2 prompts with the eager AR, then T0.9's warm-up + 2 prompts
+    assert calls == (per_prompt + [("eager", False)]) * 3 + per_prompt * 3
+    greedy_eager = result["greedy/eager_ar_tokens_per_s"]
+    assert result["T0.9/eager_ar_tokens_per_s"] == greedy_eager
+    assert result["T0.9/eager_ar_decoded_at"] == "greedy"
+    assert result["T0.9/speedup_eager_ar"] == pytest.approx(
+        result["T0.9/tokens_per_s"] / greedy_eager
+    )
+    assert result["T0.9/speedup"] == pytest.approx(
+        result["T0.9/tokens_per_s"] / result["T0.9/compiled_ar_tokens_per_s"]
+    )

@@ -6,6 +6,8 @@ compiled one."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -13,12 +15,13 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from decoding.compiled import CompiledTarget
+from decoding.compiled import STATS, CompiledTarget
 from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import with_lookup
 from decoding.rounds import sync
 from decoding.tree import TreeSpec
+from models import dtype_choice
 from models.dtype_choice import DtypeChoice, choose_measured
 from models.dtypes import cast_keep_rotary
 from models.target import Target
@@ -74,15 +77,18 @@ def compiled_decoding(
 def compile_choice(
     copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
     dec: DictConfig, tree: TreeSpec | None, max_len: int, prompt_lengths: list[int],
-    cache_dir: str | None,
+    cache_dir: str | None, forwards: int,
 ) -> DtypeChoice:  # fmt: skip
     """decode.compile=auto: "compiled" (the compiled path is the evaluation, as
     decode.compile=only) where one verify forward (k + 1 tokens, or tree size + 1) of the
-    compiled target is faster than the eager one's, over a typical cache, on this machine;
-    else "eager". Measuring compiles the target (minutes on a CPU with autotuning); a
-    compiled verdict keeps those graphs (`copies.compiled`), an eager one drops them. The
-    verdict is cached per machine, target, dtype, width and mode (models/dtype_choice.py), so
-    a later run on this machine compiles only when it will use the graphs."""
+    compiled target is faster than the eager one's, over a typical cache, on this machine, and
+    the seconds that saves over this evaluation's target forwards (`forwards`, an upper bound:
+    every AR step and one verify per new token) repay what compiling cost; else "eager".
+    Both are known once this machine compiled the target: its first evaluation compiles to
+    measure (a compiled verdict keeps those graphs, `copies.compiled`; an eager one drops
+    them) and records the verdict and the compile seconds (models/dtype_choice.py, per
+    machine, target, dtype, width and mode); a later evaluation too small to repay them
+    decodes eagerly without compiling ("weighed")."""
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
     lengths = sorted(prompt_lengths)
     cached = min(lengths[len(lengths) // 2] + int(dec.max_new_tokens) // 2, max_len - width)
@@ -90,6 +96,20 @@ def compile_choice(
     shapes = {"target": decode_target.name, "dtype": str(decode_target.dtype),
               "device": decode_target.device.type, "width": width, "cached": cached,
               "mode": str(dec.get("compile_mode", "auto"))}  # fmt: skip
+    machine = dtype_choice.machine_key()
+    cost_key = {**machine, "use": "compile_s", "shapes": shapes}
+    cost_file = dtype_choice.cache_file(cache_dir, cost_key)
+    verdict_file = dtype_choice.cache_file(
+        cache_dir, {**machine, "use": "compile", "shapes": shapes}
+    )
+    if copies.compiled is None and cost_file.is_file() and verdict_file.is_file():
+        verdict = json.loads(verdict_file.read_text())
+        seconds, compile_s = verdict["seconds"], json.loads(cost_file.read_text())["seconds"]
+        saved_s = forwards * (seconds["eager"] - seconds["compiled"])
+        if verdict["dtype"] == "compiled" and saved_s < compile_s:
+            return DtypeChoice("compile", "eager", "weighed", seconds | {"compile": compile_s,
+                               "saved at most": max(saved_s, 0.0)}, shapes)  # fmt: skip
+    spent = STATS.seconds
 
     def measure(path: str) -> float:
         if path == "eager":
@@ -100,6 +120,11 @@ def compile_choice(
         return forward_seconds(compiled, width, cached, layers)
 
     choice = choose_measured("compile", shapes, measure, cache_dir, ("eager", "compiled"))
+    if STATS.seconds > spent:  # this evaluation compiled: what that cost, for later ones
+        cost_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cost_file.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": cost_key, "seconds": STATS.seconds - spent}))
+        tmp.replace(cost_file)
     if choice.dtype == "eager":  # no graphs kept for a path that is not used
         copies.compiled = copies.draft = copies.drafter = None
     return choice

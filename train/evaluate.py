@@ -44,7 +44,7 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.compiled import STATS, counts_recordings
+from decoding.compiled import STATS, counts_recordings, use_compile_cache
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import LookupDrafter, with_lookup
 from decoding.metrics import (
@@ -221,6 +221,7 @@ def evaluate_checkpoint(
         raise ValueError(
             "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
         )
+    use_compile_cache((cfg.get("data") or {}).get("cache_dir"))  # compiled code kept per machine
     # What compiling costs this checkpoint, decode_copies' timing of a compiled verify included
     graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
     if target_eval is None:  # rank 0 chooses the dtypes, every rank decodes in them
@@ -256,6 +257,7 @@ def evaluate_checkpoint(
     ood = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in ood[:num]]
     result: dict = {"k": k, "num_prompts": len(prompts), "ood_num_prompts": len(ood)}
     max_new_tokens = int(dec.get("max_new_tokens", 64))
+    samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
     compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
     setting = dec.get("compile", False)
     max_len = max(p.shape[1] for p in prompts + ood) + max_new_tokens
@@ -264,11 +266,14 @@ def evaluate_checkpoint(
             choice = None
             if ranks.main:
                 cache_dir = (cfg.get("data") or {}).get("cache_dir")
+                # at most: every AR step, one verify per new token, every temperature
+                forwards = max_new_tokens * (len(samplings) * 2 * len(prompts) + len(ood))
                 choice = compile_choice(
                     target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
-                    [p.shape[1] for p in prompts], cache_dir,
+                    [p.shape[1] for p in prompts], cache_dir, forwards,
                 ).as_record()  # fmt: skip
                 print(f"decode path: {choice['dtype']} ({choice['source']}; " + ", ".join(
+                    f"{k} {v:.0f} s" if k in ("compile", "saved at most") else
                     f"{k} {v * 1e3:.1f} ms" for k, v in choice["seconds"].items()) + ")",
                     flush=True)  # fmt: skip
             target_eval.dtypes["compile"] = ranks.broadcast(choice)
@@ -278,12 +283,15 @@ def evaluate_checkpoint(
         compiled = compiled_decoding(
             target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
         )
-    samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
     # The fastest-AR baseline is the plain target: a draft that adapts the target (Medusa-2)
     # keeps its AR on the adapted one, what its speculative decode must reproduce.
     same_dtype_ar = bool(dec.get("same_dtype_ar", True)) or decode_target is not target_eval.target
     result["dtypes"] = target_eval.dtypes
-    for tag, sampling in samplings.items():
+    # The headline sampling, decoded first: with the compiled path the eager AR is decoded at
+    # it alone (an AR forward costs the same at every temperature), and so are the OOD prompts
+    first = "greedy" if "greedy" in samplings else next(iter(samplings))
+    eager_ar_record = None  # the eager AR's dtype and tokens/s, for the samplings after it
+    for tag, sampling in sorted(samplings.items(), key=lambda item: item[0] != first):
         kw = dict(
             k=k,
             sampling=sampling,
@@ -301,6 +309,9 @@ def evaluate_checkpoint(
                 eager_ar = target_eval.baseline or decode_target
                 if decode_target is not target_eval.target:  # Medusa-2: the adapted target
                     eager_ar = decode_target
+                # An AR forward costs the same at every temperature: the eager AR, the
+                # slowest pass of all, is decoded at the first sampling only
+                eager_ar = eager_ar if tag == first else None
                 share = decode_prompts(
                     *compiled, prompts, mine, baseline=eager_ar, **kw
                 )  # fmt: skip
@@ -314,7 +325,15 @@ def evaluate_checkpoint(
                 result["prompts_by_rank"] = [part.indices for part in parts]
             m = summarize(merge_decoded(parts))
             if only_compiled:
+                if tag == first:
+                    eager_ar_record = {
+                        key: m[key] for key in ("best_ar_dtype", "best_ar_tokens_per_s")
+                    }
+                else:  # against the eager AR decoded at the first sampling
+                    m |= eager_ar_record
+                    m["speedup_best_ar"] = m["tokens_per_s"] / m["best_ar_tokens_per_s"]
                 m = compiled_against_both(m)
+                m["eager_ar_decoded_at"] = first
             elif compiled is not None:  # COMPILED_KEYS only
                 share = decode_prompts(*compiled, prompts, mine, entropy=False, **kw)
                 mc = summarize(merge_decoded(ranks.gather(share)))
@@ -325,7 +344,7 @@ def evaluate_checkpoint(
             counts = ranks.gather((used.lookup_rounds, used.rounds))
             lookups, rounds = (sum(c[i] for c in counts) for i in (0, 1))
             result[f"{tag}/lookup_share"] = lookups / max(rounds, 1)
-        if ood:  # the same decode on the out-of-domain prompts: tau and alpha, not timed
+        if ood and tag == first:  # the same decode on out-of-domain prompts: tau, alpha
             spec = compiled if only_compiled else (decode_target, drafter)
             kw.pop("warmup")
             with torch.no_grad():
@@ -342,7 +361,6 @@ def evaluate_checkpoint(
         if predicted is not None:
             result[f"{tag}/proxy_tau"] = predicted
             result[f"{tag}/proxy_error"] = predicted - m["tau"]
-    first = "greedy" if "greedy" in samplings else next(iter(samplings))
     result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
     result["speedup"] = result.get(f"{first}/speedup")
     result["speedup_best_ar"] = result.get(f"{first}/speedup_best_ar")
