@@ -10,6 +10,12 @@ Embedding and output head are the target's (frozen, read from `target` at call t
 stored here). Depth d at position t pairs with the target's distribution at t + d, so
 `DraftOutput.offsets = [1, ..., D]` (models/protocol.py).
 
+The served variant (`one_layer`, `qk_norm`; speculators' `mtp` type, what vLLM reads with
+`num_nextn_predict_layers: 1`): ONE module serves every depth, depth d > 1 reading depth
+d-1's NORMED output (its final_norm, as the library feeds its layer's output back), and the
+block is a Qwen3 decoder layer (per-head RMSNorm of q and k before rotary). Positions and
+offsets stay as above: the library's step k at row t is depth k+1 at position t.
+
 Drafting (decoding/drafters/mtp.py): with the newest target feature at position P and the
 newest token x_{P+1}, draft j <= D comes from module j at position P; for j > D (when
 `recursive_last`) module D runs again at position P + j - D, fed its own previous output h^D
@@ -23,12 +29,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache, LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
@@ -37,13 +44,15 @@ from models.target import Target, TargetOutput
 class MTPModule(nn.Module):
     """One depth: norm both inputs, concatenate, project 2H -> H, one decoder layer."""
 
-    def __init__(self, block_config: LlamaConfig):
+    def __init__(self, block_config: LlamaConfig | Qwen3Config):
         super().__init__()
         hidden, eps = block_config.hidden_size, block_config.rms_norm_eps
         self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)  # for h^{d-1}
         self.embed_norm = LlamaRMSNorm(hidden, eps=eps)  # for emb(x_{t+d})
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = LlamaDecoderLayer(block_config, layer_idx=0)  # layer 0 of its own cache
+        # layer 0 of its own cache; Qwen3's adds the per-head q / k norms
+        layer = Qwen3DecoderLayer if isinstance(block_config, Qwen3Config) else LlamaDecoderLayer
+        self.block = layer(block_config, layer_idx=0)
         self.final_norm = LlamaRMSNorm(hidden, eps=eps)  # own norm before the shared head
 
     def forward(
@@ -83,14 +92,17 @@ class MTP(nn.Module):
         rope_parameters: dict,
         num_depths: int = 2,
         recursive_last: bool = True,
+        one_layer: bool = False,
+        qk_norm: bool = False,
     ):
         super().__init__()
         if num_depths < 1:
             raise ValueError(f"num_depths={num_depths}: an MTP draft needs at least 1 module.")
         self.num_depths = num_depths
         self.recursive_last = recursive_last
+        self.one_layer, self.qk_norm = one_layer, qk_norm
         self.vocab_size = vocab_size
-        self.block_config = LlamaConfig(
+        self.block_config = (Qwen3Config if qk_norm else LlamaConfig)(
             hidden_size=hidden_size,
             vocab_size=vocab_size,
             num_hidden_layers=1,
@@ -103,11 +115,21 @@ class MTP(nn.Module):
             rope_parameters=dict(rope_parameters),
             attn_implementation="sdpa",
         )
-        self.depths = nn.ModuleList(MTPModule(self.block_config) for _ in range(num_depths))
+        modules = 1 if one_layer else num_depths
+        self.depths = nn.ModuleList(MTPModule(self.block_config) for _ in range(modules))
         # inv_freq is a non-persistent buffer that follows .to(device); decoding copies are
         # cast with models.dtypes.cast_keep_rotary, which keeps it float32 (a bare
         # .to(bfloat16) would round it and shift every rotary angle).
         self.rotary = LlamaRotaryEmbedding(self.block_config)
+
+    def module(self, depth: int) -> MTPModule:
+        """The module of depth `depth` (1-based): the one module of a `one_layer` draft."""
+        return self.depths[0 if self.one_layer else depth - 1]
+
+    def feed(self, depth: int, hidden: Tensor) -> Tensor:
+        """What depth `depth`'s output h^d hands the next depth: h^d itself, or with
+        `one_layer` its final norm (speculators' mtp feeds its layer's normed output)."""
+        return self.module(depth).final_norm(hidden) if self.one_layer else hidden
 
     def head(self, target: Target, module: MTPModule, hidden: Tensor) -> Tensor:
         # The frozen head may be in another dtype (a bf16 target under an fp32 draft).
@@ -150,9 +172,11 @@ class MTP(nn.Module):
         positions = torch.arange(T, device=input_ids.device)[None]  # [1, T]
         cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim]
         logits = []
-        for d, module in enumerate(self.depths, start=1):
+        for d in range(1, self.num_depths + 1):
             L = T - d  # positions t with x_{t+d} inside the sequence
-            hidden = module(hidden[:, :L], embeds[:, d : d + L], (cos[:, :L], sin[:, :L]))
+            module = self.module(d)
+            prev = hidden[:, :L] if d == 1 else self.feed(d - 1, hidden[:, :L])
+            hidden = module(prev, embeds[:, d : d + L], (cos[:, :L], sin[:, :L]))
             # Zero-pad the hidden (not the logits: cheaper) to [B, T, H] so every offset has T
             # positions as the protocol says; the loop drops t >= T - d anyway.
             padded = torch.cat([hidden, hidden.new_zeros(B, d, hidden.shape[-1])], dim=1)
@@ -168,6 +192,8 @@ def from_target(
     intermediate_size: int | None = None,  # None = the target's
     num_heads: int | None = None,  # None = the target's (num_kv_heads follows unless given)
     num_kv_heads: int | None = None,
+    one_layer: bool = False,  # one module for every depth, fed its normed output (served)
+    qk_norm: bool = False,  # Qwen3 decoder layers: per-head q / k RMSNorm (served)
 ) -> MTP:
     """Build an MTP draft whose sizes and rope settings are copied from the target."""
     cfg = target.config
@@ -193,6 +219,8 @@ def from_target(
         rope_parameters=rope["rope_parameters"],
         num_depths=num_depths,
         recursive_last=recursive_last,
+        one_layer=one_layer,
+        qk_norm=qk_norm,
     )
     with torch.no_grad():  # start each module's own output norm from the target's final norm
         for module in model.depths:

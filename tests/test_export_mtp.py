@@ -1,23 +1,26 @@
-"""Which draft kind exports as which format (train/formats/kinds.py), and why MTP has none.
+"""Which draft kind exports as which format (train/formats/kinds.py), and MTP as speculators'
+`mtp` (train/formats/mtp.py).
 
 - The kind / format table covers every draft kind, its kind read from a checkpoint's
   draft.yaml is the one the built module reports, and a mismatch is refused by
   scripts/export.py before the target loads, nothing written.
-- The MTP refusal's claims hold against the real speculators library (0.9, `mtp` type): it
-  refuses a Llama layer config and more than one next-n layer; mapped onto its Qwen3 MTP layer,
-  every weight of a 1-depth draftlab MTP has its slot (and only q_norm / k_norm are left), and
-  with those two norms taken out the library's step-0 logits equal draftlab's depth-1 logits;
-  with them in (weights 1, the closest a Llama layer has) they do not. If the library starts
-  serving Llama MTP layers, the first assertion fails: the refusal is then out of date, and the
-  key map below is the exporter to write."""
+- draftlab's default MTP (a Llama module per depth) against the real speculators library (0.9,
+  `mtp` type): it refuses a Llama layer config and more than one next-n layer; mapped onto its
+  Qwen3 MTP layer every weight of a 1-depth MTP has its slot (only q_norm / k_norm are left),
+  and with those two norms taken out the library's step-0 logits equal our depth-1 logits,
+  with them in (weights 1) they do not: the refusal's claims hold.
+- The served variant (`one_layer` + `qk_norm`) exported by scripts/export.py is loaded by the
+  library's own `from_pretrained` (its embedding and head reloaded from the verifier), and its
+  teacher-forced forward equals ours at every step and position (max |Δ log-softmax| <= 1e-4),
+  eager and sdpa attention."""
 
-import importlib.util
 from pathlib import Path
 
 import hydra.utils
 import pytest
 import torch
 from omegaconf import OmegaConf
+from speculators import SpeculatorModel, SpeculatorModelConfig
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.models.mtp import MTPDraftModel, MTPSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -27,7 +30,7 @@ from transformers import LlamaConfig, Qwen3Config
 from decoding.drafters import DRAFTERS
 from models import mtp
 from models.target_loaders import build_tiny_random
-from tests.helpers import compose_train
+from tests.helpers import compose_train, export_script
 from train.checkpoint import save_checkpoint
 from train.formats.checks import ExportError
 from train.formats.export import export
@@ -61,13 +64,6 @@ def _moved(draft: nn.Module, seed: int = 1) -> nn.Module:
     return draft.eval()
 
 
-def _export_script():
-    spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts" / "export.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 # -- the kind / format table -----------------------------------------------------------------
 def test_every_kind_has_a_row_and_every_refusal_a_reason():
     assert set(DRAFTERS) <= set(EXPORT_FORMATS)  # a new kind adds its row
@@ -87,7 +83,7 @@ def test_checkpoint_kind_is_the_module_kind(target, name):
 
 
 def test_mismatch_refused_before_the_target_loads(target, tmp_path, monkeypatch):
-    script = _export_script()
+    script = export_script()
 
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded before the refusal")
@@ -104,7 +100,9 @@ def test_mismatch_refused_before_the_target_loads(target, tmp_path, monkeypatch)
     for fmt in FORMATS:
         out = tmp_path / f"out_{fmt}"
         extra = ["--verifier", "org/x"] if fmt == "speculators" else []
-        with pytest.raises(SystemExit, match="nothing written: MTP heads are not exported"):
+        with pytest.raises(
+            SystemExit, match="nothing written: this MTP checkpoint is not exported"
+        ):
             script.main([str(ckpt), "--format", fmt, "--out", str(out), *extra])
         assert not out.exists()
     medusa_yaml = {"kind": "medusa", "model": {"_target_": "models.medusa.from_target"}}
@@ -117,7 +115,9 @@ def test_mismatch_refused_before_the_target_loads(target, tmp_path, monkeypatch)
         check_kind_format("eagle1", "speculators")
     with pytest.raises(ExportError, match="draft kind 'toy' has no export format"):
         check_kind_format("toy", "hf")
-    with pytest.raises(ExportError, match="MTP heads are not exported"):  # the library entry too
+    with pytest.raises(
+        ExportError, match="MTP checkpoint is not exported"
+    ):  # the library entry too
         export(draft, target, "speculators", tmp_path / "x", verifier="org/x",
                speculative_tokens=3)  # fmt: skip
     assert not (tmp_path / "x").exists()
@@ -211,3 +211,56 @@ def test_only_the_qk_norms_are_missing(target):
     assert delta <= TOL, f"without q/k norms: max |Δ log-softmax| {delta:.2e}"
     gap = (with_norms.log_softmax(-1) - depth1[:, :n].log_softmax(-1)).abs().max()
     assert gap > 100 * TOL, f"the q/k norms changed nothing ({gap:.2e}): the refusal is wrong"
+
+
+# -- the served variant, exported and read back by the library ---------------------------------
+@pytest.fixture(scope="module")
+def verifier_dir(target, tmp_path_factory):
+    path = tmp_path_factory.mktemp("verifier")
+    target.model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_served_mtp_export_is_what_the_library_computes(target, verifier_dir, tmp_path, attn):
+    """scripts/export.py CKPT --format speculators on a one_layer + qk_norm draft of STEPS
+    depths; the library's from_pretrained + forward: its step k equals our depth k+1 at every
+    position it predicts (step k reads row t's fed state and emb(x_{t+k+1}): x_{t+k+2})."""
+    torch.manual_seed(0)
+    draft = _moved(mtp.from_target(target, num_depths=STEPS, one_layer=True, qk_norm=True))
+    run = tmp_path / "run"
+    run.mkdir()
+    target_cfg = {"_target_": "models.target_loaders.build_tiny_random", "seed": 0,
+                  "num_layers": 2, "device": "cpu"}  # fmt: skip
+    (run / "config.yaml").write_text(OmegaConf.to_yaml({"target": target_cfg, "decode": {"k": 3}}))
+    model = {"_target_": "models.mtp.from_target", "num_depths": STEPS, "one_layer": True,
+             "qk_norm": True}  # fmt: skip
+    ckpt = save_checkpoint(run, 1, draft.state_dict(),
+                           OmegaConf.to_yaml({"kind": "mtp", "model": model}), {}, 1)  # fmt: skip
+    out = tmp_path / "export"
+    export_script().main([str(ckpt), "--format", "speculators", "--out", str(out),
+                          "--verifier", str(verifier_dir)])  # fmt: skip
+    config = SpeculatorModelConfig.from_pretrained(str(out))
+    assert (config.speculators_model_type, config.num_nextn_predict_layers) == ("mtp", 1)
+    config.transformer_layer_config._attn_implementation = attn
+    lib = SpeculatorModel.from_pretrained(str(out), config=config).eval()
+    assert torch.equal(lib.embed_tokens.weight, target.embed_tokens.weight)  # the verifier's
+
+    seqs = torch.randint(6, target.vocab_size, (2, 14), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden = target(seqs, hidden_layers=draft.hidden_layers)
+        ours = draft(target, seqs, hidden).logits  # depth d: [B, T, V], predicts x_{t+d+1}
+        steps, _, _ = lib(input_ids=seqs, hidden_states=hidden.hidden[-1])
+    assert len(steps) == STEPS
+    n = seqs.shape[1] - STEPS - 1
+    for k, logits in enumerate(steps):
+        delta = (logits.log_softmax(-1) - ours[k][:, :n].log_softmax(-1)).abs().max()
+        assert delta <= TOL, f"step {k}: max |Δ log-softmax| {delta:.2e}"
+
+
+def test_the_default_mtp_layout_is_refused_with_the_variant_to_train(target, tmp_path):
+    from train.formats.mtp import check_servable
+
+    for kw in ({}, {"one_layer": True}, {"qk_norm": True}):
+        with pytest.raises(ExportError, match=r"\+experiment=mtp_served_kl"):
+            check_servable(mtp.from_target(target, num_depths=2, **kw), target)

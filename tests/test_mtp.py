@@ -11,7 +11,7 @@ from decoding.verify import sampling_probs
 from models.mtp import MTP, from_target
 from models.protocol import DraftModel
 from models.target_loaders import build_tiny_random
-from train.evaluate import decode_copy, draft_decode_copy
+from train.eval_plan import decode_copy, draft_decode_copy
 
 torch.set_num_threads(1)
 
@@ -134,7 +134,8 @@ def test_one_step_lowers_the_loop_loss(target):
 @torch.no_grad()
 def reference_q(model, target, committed, last, drafts, sampling):
     """Draft distributions recomputed from scratch, no caches: module j at position P for
-    j <= D, then module D at P+1, P+2, ... fed its own previous output (recursive_last)."""
+    j <= D, then module D at P+1, P+2, ... fed its own previous output (recursive_last); a
+    one-layer draft feeds each output's final norm (MTP.feed)."""
     D = model.num_depths
     P = committed.shape[1] - 1
     seq = torch.cat([committed, last[:, None], drafts], 1)  # x_0..x_{P+1}, d_1..d_k
@@ -146,25 +147,33 @@ def reference_q(model, target, committed, last, drafts, sampling):
         cos_sin = model.rotary(prev, torch.arange(L)[None])
         return module(prev, emb[:, first_token : first_token + L], cos_sin)
 
-    qs, prev_depth = [], h
+    qs, inputs = [], h  # what depth j reads: h^0, then depth j-1's output as fed
     for j in range(1, min(drafts.shape[1], D) + 1):
-        module = model.depths[j - 1]
-        h_prev_depth, prev_depth = prev_depth, run(module, prev_depth[:, : P + 1], j)
-        qs.append(sampling_probs(model.head(target, module, prev_depth[:, -1]), sampling))
-    recursive = [prev_depth[:, -1]]
+        module = model.module(j)
+        out = run(module, inputs[:, : P + 1], j)
+        qs.append(sampling_probs(model.head(target, module, out[:, -1]), sampling))
+        depth_inputs, inputs = inputs, model.feed(j, out)  # normed with one_layer
+    recursive = [inputs[:, -1]]
     for _ in range(D + 1, drafts.shape[1] + 1):
-        prev = torch.cat([h_prev_depth[:, : P + 1], torch.stack(recursive, 1)], 1)
-        out = run(model.depths[-1], prev, D)[:, -1]
-        qs.append(sampling_probs(model.head(target, model.depths[-1], out), sampling))
-        recursive.append(out)
+        prev = torch.cat([depth_inputs[:, : P + 1], torch.stack(recursive, 1)], 1)
+        out = run(model.module(D), prev, D)[:, -1]
+        qs.append(sampling_probs(model.head(target, model.module(D), out), sampling))
+        recursive.append(model.feed(D, out))
     return torch.stack(qs, 1)  # [B, k, V]
 
 
-def test_drafter_caches_and_rollback_match_recompute(target):
+@pytest.mark.parametrize("served", [False, True])
+def test_drafter_caches_and_rollback_match_recompute(target, served):
     """Random k (1..4 with D=2: recursion included) and random accepted counts n (0..k, full
     accepts with a bonus too): every round's q must equal a from-scratch recomputation, so
-    the per-module caches are caught up and rolled back exactly."""
-    model = make_mtp(target, num_depths=2)
+    the per-module caches are caught up and rolled back exactly. Served: one Qwen3 module for
+    both depths, each depth (and the recursion) fed the previous output's final norm."""
+    model = make_mtp(target, num_depths=2, one_layer=served, qk_norm=served)
+    if served:  # every weight off its init: a norm left out or fed twice shows
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
     drafter = make_drafter(model, target)
     sampling = Sampling(temperature=1.0)
     gen = torch.Generator().manual_seed(0)
@@ -376,3 +385,21 @@ def test_bf16_drafter_q_matches_fp32_reference(qwen3_target, qwen3_distilled):
             type(out)(None, {-1: out.hidden[-1][:, -(n + 1) :]}, None),
         )
         committed, last = kept, correction
+
+
+def test_served_layout_is_one_qwen3_module_and_decodes_losslessly(target):
+    """one_layer + qk_norm: one module's weights whatever num_depths (q/k norms in its
+    attention), and its chain decode reproduces the target's greedy output."""
+    model = make_mtp(target, num_depths=3, one_layer=True, qk_norm=True)
+    keys = set(model.state_dict())
+    assert {k.split(".")[1] for k in keys if k.startswith("depths.")} == {"0"}
+    assert {
+        "depths.0.block.self_attn.q_norm.weight",
+        "depths.0.block.self_attn.k_norm.weight",
+    } <= keys
+    assert all(model.module(d) is model.depths[0] for d in (1, 2, 3))
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    ref = generate(target, ids, None, max_new_tokens=24, eos_token_ids=[])
+    spec = generate(target, ids, make_drafter(model, target), k=4, max_new_tokens=24,
+                    eos_token_ids=[])  # fmt: skip
+    assert spec.sequences == ref.sequences

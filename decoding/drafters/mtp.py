@@ -3,7 +3,9 @@
 With the newest target feature at position P and the newest token x_{P+1}, draft j <= D comes
 from module j at position P; for j > D (when `recursive_last`) module D runs again at position
 P + j - D, fed its own previous output h^D in place of h^{D-1}. Each module keeps its own KV
-cache over t, rolled back at commit to the entries whose inputs were all committed tokens.
+cache over t, rolled back at commit to the entries whose inputs were all committed tokens. A
+one-layer (served) draft runs its one module at every depth, each depth with its own cache,
+and hands on each output's final norm (`MTP.feed`).
 Compiled decoding (a `CompiledTarget`, decoding/compiled.py): the caches are StaticKVCaches
 and each module's pass runs compiled at width 1 and at the target's widest forward (the
 positions a module catches up on, padded), eagerly when wider (the prompt).
@@ -100,7 +102,7 @@ class MTPDrafter:
 
     def _run(self, depth: int, prev_hidden: Tensor, token_ids: Tensor, start: int) -> Tensor:
         """Module `depth` over positions start..start+L-1 with its cache; returns its h [B, L, H]."""
-        module = self.model.depths[depth - 1]
+        module = self.model.module(depth)
         cache = self.caches[depth - 1]
         if cache.get_seq_length() != start:
             raise RuntimeError(
@@ -121,12 +123,13 @@ class MTPDrafter:
             prev, ids = pad_seq(prev_hidden, W), pad_seq(token_ids, W)
             hidden = step(W, prev, ids, positions, mask)[:, :L]
             cache.truncate(start + L)
-        self.features[depth] = torch.cat([self.features[depth], hidden], dim=1)
+        # what the next depth (and the recursion) reads: normed with a one-layer draft
+        self.features[depth] = torch.cat([self.features[depth], self.model.feed(depth, hidden)], 1)
         return hidden
 
     def _module_step(self, depth: int, cache: StaticKVCache):
         """Module `depth`'s pass over its static cache, as `CachedStep` compiles it."""
-        module = self.model.depths[depth - 1]
+        module = self.model.module(depth)
 
         def step(prev_hidden: Tensor, token_ids: Tensor, positions: Tensor, mask: Tensor):
             cos_sin = self.model.rotary(prev_hidden, positions)
@@ -138,7 +141,7 @@ class MTPDrafter:
     def _sample(
         self, depth: int, hidden: Tensor, sampling: Sampling, generator
     ) -> tuple[Tensor, Tensor | None]:
-        logits = self.model.head(self.target, self.model.depths[depth - 1], hidden)  # [B, V]
+        logits = self.model.head(self.target, self.model.module(depth), hidden)  # [B, V]
         if sampling.greedy:
             return logits.argmax(-1), None
         probs = sampling_probs(logits, sampling)  # [B, V], the verifier's transform of p

@@ -65,6 +65,7 @@ from train.formats.checks import ExportError, check_finite, check_keys, check_vo
 from train.formats.dflash import export_dflash_speculators
 from train.formats.eagle import export_eagle, export_speculators
 from train.formats.kinds import check_kind_format, module_export_kind
+from train.formats.mtp import export_mtp_speculators
 
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 VLLM_WEIGHTS = "model.safetensors"
@@ -319,11 +320,12 @@ def export(
         "medusa": lambda tmp, final: export_medusa(draft, target, tmp, final),
         "vllm-medusa": lambda tmp, final: export_vllm_medusa(draft, target, tmp, final),
         "eagle": lambda tmp, final: export_eagle(draft, target, tmp, final),
-        "speculators": lambda tmp, final: (
-            export_dflash_speculators(draft, target, tmp, final, verifier)
-            if module_export_kind(draft) == "dflash_served"
-            else export_speculators(draft, target, tmp, final, verifier, speculative_tokens)
-        ),
+        "speculators": lambda tmp, final: {
+            "dflash_served": export_dflash_speculators,
+            "mtp_served": export_mtp_speculators,
+        }.get(
+            module_export_kind(draft), lambda *args: export_speculators(*args, speculative_tokens)
+        )(draft, target, tmp, final, verifier),
     }
     out = Path(out)
     check_out_dir(out, overwrite)

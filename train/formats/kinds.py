@@ -22,7 +22,8 @@ EXPORT_FORMATS: dict[str, tuple[str, ...]] = {
     "medusa2": ("hf", "medusa", "vllm-medusa"),  # hf: the merged (adapted) target
     "eagle": ("speculators", "eagle"),  # EAGLE-3
     "eagle1": ("eagle",),
-    "mtp": (),
+    "mtp": (),  # a module per depth, Llama layers
+    "mtp_served": ("speculators",),  # one_layer + qk_norm (models/mtp.py)
     "dflash": (),  # the learned-mask-vector layout
     "dflash_served": ("speculators",),  # mask_token_id + qk_norm (models/dflash.py)
     "domino": (),
@@ -33,19 +34,13 @@ FORMATS = ("hf", "medusa", "vllm-medusa", "eagle", "speculators")
 # `models/mtp/{config,core,model_definitions}.py`, `models/dflash/config.py`.
 REFUSED: dict[str, str] = {
     "mtp": (
-        "MTP heads are not exported: no format serves draftlab's MTP. speculators 0.9's `mtp` "
-        "type (MTPDraftModel) builds its layer only from Qwen3-family decoder layers (qwen3, "
-        "qwen3_next, qwen3_5_text, qwen3_5_moe_text; a `llama` transformer_layer_config is "
-        "refused as 'Unsupported MTP model type'), whose attention RMS-normalises q and k per "
-        "head (self_attn.q_norm / k_norm); draftlab's MTP block is a Llama decoder layer "
-        "without them, and no q_norm / k_norm weights reproduce its attention. Every other "
-        "weight would map exactly (tests/test_export_mtp.py). The format also holds ONE layer "
-        "(num_nextn_predict_layers must be 1) and drafts step k+1 from that layer's normed "
-        "output at the same position, where draftlab's depth d+1 is its own module fed the "
-        "pre-norm h^d. vLLM and SGLang run MTP only as the native MTP layers a model ships in "
-        "its own checkpoint (DeepSeek-V3, Qwen3-Next, Qwen3.5, MiMo, ...), none for a Llama "
-        "target. "
-        "Evaluate it with scripts/evaluate.py instead."
+        "this MTP checkpoint is not exported: speculators 0.9's `mtp` type (MTPDraftModel, "
+        "what vLLM reads) holds ONE Qwen3-family next-n layer (its attention RMS-normalises q "
+        "and k per head; a `llama` transformer_layer_config is refused) and drafts step k+1 "
+        "from that layer's normed output; this draft has a Llama module per depth, each fed "
+        "the pre-norm h^d, so no key map gives the same maths (tests/test_export_mtp.py). "
+        "Train the served variant instead (draft.model.one_layer=true draft.model.qk_norm="
+        "true, +experiment=mtp_served_kl): --format speculators writes it."
     ),
     "dflash": (
         "this DFlash checkpoint is not exported: SGLang, the z-lab reference and speculators "
@@ -84,6 +79,8 @@ def module_export_kind(draft: nn.Module) -> str:
         and draft.qk_norm
     ):
         return "dflash_served"
+    if draft.kind == "mtp" and draft.one_layer and draft.qk_norm:
+        return "mtp_served"
     return draft.kind
 
 
@@ -108,6 +105,8 @@ def config_export_kind(draft_cfg: Mapping) -> str:
         return "eagle1"
     if kind == "dflash" and model.get("mask_token_id") is not None and model.get("qk_norm"):
         return "dflash_served"
+    if kind == "mtp" and model.get("one_layer") and model.get("qk_norm"):
+        return "mtp_served"
     return kind
 
 
