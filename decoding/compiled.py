@@ -105,20 +105,25 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
-# Set before this module was imported: the user's (inductor sets it too, once it compiles).
-USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+def user_compile_cache() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR as the user set it: None where unset or where inductor set it
+    to its own temporary default (importing some of torch does, before any compile)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return None if path in (None, default_cache_dir()) else path
 
 
 def use_compile_cache(cache_dir: str | None) -> str | None:
     """Inductor's on-disk cache (generated kernels, compiled C++, autotuning results) in
     <cache root>/inductor (models.dtype_choice.cache_root, beside the dtype verdicts) instead
     of a temporary directory that every new machine and every cleaned /tmp compiles into
-    again; a TORCHINDUCTOR_CACHE_DIR set before this module was imported stays. Inductor
+    again; a TORCHINDUCTOR_CACHE_DIR the user set stays. Inductor
     reads the variable when it compiles, so this only has to run before the first compile.
     Frozen CPU graphs hold packed weights its graph cache cannot store, so a warm cache saves
     code generation and the C++ compiler, not the tracing (docs/fastpath.md). -> the dir."""
-    if USER_COMPILE_CACHE is not None:
-        return USER_COMPILE_CACHE
+    if user_compile_cache() is not None:
+        return user_compile_cache()
     path = str(cache_root(cache_dir) / "inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return path

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from models.target import Target
 from models.target_loaders import build_tiny_random
-from train.evaluate import decode_copy, draft_decode_copy, evaluate_checkpoint
+from train.eval_plan import decode_copy, draft_decode_copy
+from train.evaluate import evaluate_checkpoint
 
 BF16 = torch.bfloat16
 
@@ -165,7 +166,7 @@ def _drafts(target):
 def test_a_draft_in_another_dtype_than_the_target_decodes_losslessly(
     fp32_target, kind, draft_dtype
 ):
-    """decode.draft_dtype is chosen apart from decode.dtype (train/evaluate.py:
+    """decode.draft_dtype is chosen apart from decode.dtype (train/eval_plan.py:
     draft_dtype_choice): every kind's drafter runs beside a target in the other dtype, and
     greedy decoding still gives the target's own greedy text."""
     draft = _drafts(fp32_target)[kind]

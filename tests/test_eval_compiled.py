@@ -1,4 +1,4 @@
-"""The compiled path as evaluation's decode (train/eval_compiled.py): `decode.compile=only`
+"""The compiled path as evaluation's decode (train/eval_plan.py, train/evaluate.py): `decode.compile=only`
 decodes the compiled AR, the compiled speculative decode and the eager AR, and nothing else;
 `decode.compile=auto` takes the faster of the eager and compiled verify forward on this
 machine, measured once and cached per machine. Tiny random target, float32, aot_eager (no
@@ -7,14 +7,14 @@ code generation), timings faked where a verdict is asserted."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 import decoding.metrics
 import models.dtype_choice
-import train.eval_compiled
-import train.evaluate
+import train.eval_plan
 from decoding.compiled import CompiledTarget, counts_recordings
 from models import draft_lm
 from models.target import Target
@@ -93,7 +93,7 @@ def fake_forward_seconds(monkeypatch, eager_s: float, compiled_s: float) -> list
         asked.append(path)
         return compiled_s if path == "compiled" else eager_s
 
-    monkeypatch.setattr(train.eval_compiled, "forward_seconds", fake)
+    monkeypatch.setattr(train.eval_plan, "forward_seconds", fake)
     return asked
 
 
@@ -162,10 +162,10 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
         asked.append((dtype, width, hidden_layers))
         return compiled[dtype]
 
-    monkeypatch.setattr(train.evaluate, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
-    monkeypatch.setattr(train.evaluate, "compiled_forward_seconds", fake_compiled)
+    monkeypatch.setattr(train.eval_plan, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
+    monkeypatch.setattr(train.eval_plan, "compiled_forward_seconds", fake_compiled)
     dec = eval_cfg(compile=path, dtype="auto").decode
-    copies = train.evaluate.decode_copies(target, dec, None, eval_prompts(), str(tmp_path), (1, 2))
+    copies = train.eval_plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path), (1, 2))
     assert copies.dtypes["decode"]["dtype"] == want
     assert copies.dtypes["ar"]["dtype"] == "bfloat16"
     width = int(dec.k) + 1
@@ -176,7 +176,7 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
 
 def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(target):
     before = {n: p.clone() for n, p in target.model.state_dict().items()}
-    seconds = train.eval_compiled.compiled_forward_seconds(
+    seconds = train.eval_plan.compiled_forward_seconds(
         target, torch.bfloat16, 4, 8, (1,), "aot_eager"
     )
     assert 0 < seconds < 10
@@ -237,3 +237,20 @@ def test_compile_only_decodes_the_eager_ar_at_the_headline_sampling_alone(target
     assert result["T0.9/speedup"] == pytest.approx(
         result["T0.9/tokens_per_s"] / result["T0.9/compiled_ar_tokens_per_s"]
     )
+
+
+def test_compile_cache_is_kept_under_the_cache_root_unless_the_user_set_one(tmp_path, monkeypatch):
+    """Inductor's cache goes to <cache root>/inductor, replacing inductor's own temporary
+    default (which importing parts of torch sets); a directory the user set stays."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from decoding.compiled import use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_compile_cache(str(tmp_path)) == str(tmp_path / "inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert use_compile_cache(str(tmp_path / "b")) == str(tmp_path / "b" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache(str(tmp_path / "c")) == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -15,14 +15,14 @@ import torch
 from models import medusa
 from models.target_loaders import build_tiny_random
 from tests.helpers import ROOT
-from train.evaluate import decode_copy, draft_decode_copy
+from train.eval_plan import decode_copy, draft_decode_copy
 
 MEASURE = textwrap.dedent(
     """
     import json, resource, torch
     from models import medusa
     from models.target_loaders import build_tiny_random
-    from train.evaluate import draft_decode_copy
+    from train.eval_plan import draft_decode_copy
     from decoding.drafters import make_drafter
     from decoding.spec import generate
 

@@ -46,7 +46,7 @@ from models.dtype_choice import choose_dtype, time_forward
 from models.dtypes import resolve_dtype
 from models.protocol import DraftOutput
 from models.target import Target
-from train.evaluate import decode_copy, draft_decode_copy
+from train.eval_plan import decode_copy, draft_decode_copy
 from train.losses import LOSSES, LossSpec
 from train.rollouts import ReplayBuffer, Rollout, prompt_prefix, rollout
 
@@ -228,7 +228,7 @@ class Replay:
 
     def _rollout_models(self, target: Target, draft: torch.nn.Module):
         """The target (a copy only when the dtype differs) and a COPY of the draft, in the
-        rollout dtype with float32 rotary frequencies (train/evaluate.py): drafters may
+        rollout dtype with float32 rotary frequencies (train/eval_plan.py): drafters may
         freeze or convert the module they wrap (DraftLMDrafter sets requires_grad=False),
         which must not touch the trained one."""
         if self.dtype is None:
