@@ -154,7 +154,7 @@ def test_hf_draft_lm_is_an_assistant_model_and_imports_back(target, tmp_path):
 # -- refusals: a clear error and nothing on disk ------------------------------------------------
 def test_refusals_write_nothing(target, tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(ExportError, match="MTP heads are not exported"):
+    with pytest.raises(ExportError, match="MTP checkpoint is not exported"):
         export(mtp.from_target(target, num_depths=1), target, "hf", out)
     with pytest.raises(ExportError, match="use one of"):
         export(_random_heads(target), target, "mtp", out)

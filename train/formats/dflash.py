@@ -37,7 +37,7 @@ from torch import Tensor
 from models.dflash import DFlashDraft
 from models.target import Target
 from train.formats.checks import ExportError, check_finite, check_keys, check_vocab, read_back
-from train.formats.eagle import WEIGHTS, embedding_table, verifier
+from train.formats.eagle import WEIGHTS, embedding_table, speculators_config
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -73,11 +73,17 @@ def check_servable(draft: DFlashDraft, target: Target) -> None:
             f"taps {list(draft.hidden_layers)}: an engine captures distinct layers 1..{L - 1} "
             "(0 is the bare embedding, L and -1 are after the final norm)"
         )
+    check_verifier_tables(target, "the block's anchor inputs")
+
+
+def check_verifier_tables(target: Target, inputs: str) -> None:
+    """The library reloads the verifier's bare embedding table and a bias-free head: refused
+    where the target's module scales its table (Gemma) or its head has a bias."""
     ids = torch.arange(target.vocab_size, device=target.embed_tokens.weight.device)
     if not torch.equal(embedding_table(target), target.embed_tokens.weight[ids].detach()):
         raise ExportError(
             f"the target {target.name!r} scales its embedding in its module; the library "
-            "reads the bare table, so the block's anchor inputs would differ"
+            f"reads the bare table, so {inputs} would differ"
         )
     if target.lm_head.bias is not None:
         raise ExportError("the target's lm_head has a bias; speculators' head has none")
@@ -107,9 +113,9 @@ def served_state(draft: DFlashDraft, target: Target) -> dict[str, Tensor]:
     return state
 
 
-def layer_config(draft: DFlashDraft, target: Target) -> dict:
-    """The draft layers' qwen3 config, as the library builds them."""
-    cfg = draft.config
+def qwen3_layer_config(cfg, num_layers: int, vocab_size: int) -> dict:
+    """A qwen3 `transformer_layer_config` at the sizes and rope of `cfg` (a draft's layer
+    config), as the library builds its layers."""
     return {
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
@@ -117,12 +123,12 @@ def layer_config(draft: DFlashDraft, target: Target) -> dict:
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "num_hidden_layers": len(draft.layers),
+        "num_hidden_layers": num_layers,
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_parameters": dict(cfg.rope_parameters),
-        "vocab_size": target.vocab_size,
+        "vocab_size": vocab_size,
         "attention_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
@@ -140,20 +146,12 @@ def export_dflash_speculators(
     config = {
         "architectures": ["DFlashSpeculator"],
         "speculators_model_type": "dflash",
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": draft.block_size - 1,  # slots 1..B-1 of a block
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": verifier(target, verifier_id),
-        },
-        "transformer_layer_config": layer_config(draft, target),
+        "speculators_config": speculators_config(
+            "dflash", target, verifier_id, draft.block_size - 1
+        ),  # slots 1..B-1 of a block
+        "transformer_layer_config": qwen3_layer_config(
+            draft.config, len(draft.layers), target.vocab_size
+        ),
         "draft_vocab_size": len(draft.vocab_ids) if reduced else target.vocab_size,
         "block_size": draft.block_size,
         "aux_hidden_state_layer_ids": sorted(draft.hidden_layers),

@@ -330,6 +330,15 @@ def verifier(target: Target, name: str) -> dict:
     }
 
 
+def speculators_config(algorithm: str, target: Target, name: str, speculative_tokens: int) -> dict:
+    """speculators' `speculators_config`: one greedy proposal of `speculative_tokens` drafts
+    per round, verified by the target served as `name`."""
+    proposal = {"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                "verifier_accept_k": 1, "accept_tolerance": 0.0}  # fmt: skip
+    return {"algorithm": algorithm, "proposal_methods": [proposal],
+            "default_proposal_method": "greedy", "verifier": verifier(target, name)}  # fmt: skip
+
+
 # -- writers -----------------------------------------------------------------------------------
 def export_speculators(
     draft: EagleDraft,
@@ -350,19 +359,7 @@ def export_speculators(
     config = {
         "architectures": [SPECULATORS_ARCH],
         "speculators_model_type": "eagle3",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": verifier(target, verifier_id),
-        },
+        "speculators_config": speculators_config("eagle3", target, verifier_id, speculative_tokens),
         "transformer_layer_config": llama_config(draft, target),
         "draft_vocab_size": draft.draft_vocab_size,
         "target_hidden_size": target.hidden_size,

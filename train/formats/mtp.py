@@ -33,7 +33,8 @@ from torch import Tensor
 from models.mtp import MTP
 from models.target import Target
 from train.formats.checks import ExportError, check_finite, check_keys, check_vocab, read_back
-from train.formats.eagle import WEIGHTS, embedding_table, verifier
+from train.formats.dflash import check_verifier_tables, qwen3_layer_config
+from train.formats.eagle import WEIGHTS, speculators_config
 
 CONFIG_FIELDS = ("speculators_model_type", "speculators_config", "transformer_layer_config",
                  "num_nextn_predict_layers")  # fmt: skip
@@ -53,14 +54,7 @@ def check_servable(draft: MTP, target: Target) -> None:
             "+experiment=mtp_served_kl)"
         )
     check_vocab(draft.vocab_size, target, "the MTP draft")
-    ids = torch.arange(target.vocab_size, device=target.embed_tokens.weight.device)
-    if not torch.equal(embedding_table(target), target.embed_tokens.weight[ids].detach()):
-        raise ExportError(
-            f"the target {target.name!r} scales its embedding in its module; the library "
-            "reads the bare table, so the layer's token inputs would differ"
-        )
-    if target.lm_head.bias is not None:
-        raise ExportError("the target's lm_head has a bias; speculators' head has none")
+    check_verifier_tables(target, "the layer's token inputs")
 
 
 def served_state(draft: MTP) -> dict[str, Tensor]:
@@ -82,29 +76,6 @@ def served_state(draft: MTP) -> dict[str, Tensor]:
     return state
 
 
-def layer_config(draft: MTP, target: Target) -> dict:
-    """The next-n layer's qwen3 config, as the library builds it."""
-    cfg = draft.block_config
-    return {
-        "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": target.num_layers,  # the library's target_layer_ids = [this]
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_parameters": dict(cfg.rope_parameters),
-        "vocab_size": target.vocab_size,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
-
-
 def export_mtp_speculators(
     draft: MTP, target: Target, out: Path, final: Path, verifier_id: str
 ) -> None:
@@ -115,20 +86,13 @@ def export_mtp_speculators(
         "architectures": ["MTPDraftModel"],
         "speculators_model_type": "mtp",
         "num_nextn_predict_layers": 1,
-        "speculators_config": {
-            "algorithm": "mtp",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": draft.num_depths,  # the steps it was trained for
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": verifier(target, verifier_id),
-        },
-        "transformer_layer_config": layer_config(draft, target),
+        "speculators_config": speculators_config(
+            "mtp", target, verifier_id, draft.num_depths
+        ),  # the steps it was trained for
+        # its num_hidden_layers: the layer whose hidden state the library reads (the last)
+        "transformer_layer_config": qwen3_layer_config(
+            draft.block_config, target.num_layers, target.vocab_size
+        ),
     }
     save_file(served_state(draft), str(out / WEIGHTS))
     (out / "config.json").write_text(json.dumps(config, indent=2))
