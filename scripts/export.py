@@ -19,6 +19,7 @@ what is refused: docs/export.md.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -86,9 +87,11 @@ def main(argv: list[str] | None = None) -> Path:
         out = export(draft, target, args.format, args.out, args.overwrite, verifier, k, identity)
     except ExportError as err:
         sys.exit(f"export refused, nothing written: {err}")
-    served = (
-        f" (verifier {verifier}, {k} speculative tokens)" if args.format == "speculators" else ""
-    )
+    served = ""
+    if args.format == "speculators":  # as written: DFlash and MTP carry their own draft length
+        written = json.loads((out / "config.json").read_text())["speculators_config"]
+        tokens = written["proposal_methods"][0]["speculative_tokens"]
+        served = f" (verifier {verifier}, {tokens} speculative tokens)"
     print(f"{args.format} export of {args.checkpoint} -> {out}{served}")
     return out
 

@@ -222,17 +222,20 @@ def verifier_dir(target, tmp_path_factory):
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_served_mtp_export_is_what_the_library_computes(target, verifier_dir, tmp_path, attn):
+def test_served_mtp_export_is_what_the_library_computes(
+    target, verifier_dir, tmp_path, capsys, attn
+):
     """scripts/export.py CKPT --format speculators on a one_layer + qk_norm draft of STEPS
     depths; the library's from_pretrained + forward: its step k equals our depth k+1 at every
-    position it predicts (step k reads row t's fed state and emb(x_{t+k+1}): x_{t+k+2})."""
+    position it predicts (step k reads row t's fed state and emb(x_{t+k+1}): x_{t+k+2}). The
+    file proposes the depths trained, whatever the run decoded with, and the script says so."""
     torch.manual_seed(0)
     draft = _moved(mtp.from_target(target, num_depths=STEPS, one_layer=True, qk_norm=True))
     run = tmp_path / "run"
     run.mkdir()
     target_cfg = {"_target_": "models.target_loaders.build_tiny_random", "seed": 0,
                   "num_layers": 2, "device": "cpu"}  # fmt: skip
-    (run / "config.yaml").write_text(OmegaConf.to_yaml({"target": target_cfg, "decode": {"k": 3}}))
+    (run / "config.yaml").write_text(OmegaConf.to_yaml({"target": target_cfg, "decode": {"k": 2}}))
     model = {"_target_": "models.mtp.from_target", "num_depths": STEPS, "one_layer": True,
              "qk_norm": True}  # fmt: skip
     ckpt = save_checkpoint(run, 1, draft.state_dict(),
@@ -240,8 +243,10 @@ def test_served_mtp_export_is_what_the_library_computes(target, verifier_dir, tm
     out = tmp_path / "export"
     export_script().main([str(ckpt), "--format", "speculators", "--out", str(out),
                           "--verifier", str(verifier_dir)])  # fmt: skip
+    assert f"{STEPS} speculative tokens" in capsys.readouterr().out
     config = SpeculatorModelConfig.from_pretrained(str(out))
     assert (config.speculators_model_type, config.num_nextn_predict_layers) == ("mtp", 1)
+    assert config.speculators_config.proposal_methods[0].speculative_tokens == STEPS
     config.transformer_layer_config._attn_implementation = attn
     lib = SpeculatorModel.from_pretrained(str(out), config=config).eval()
     assert torch.equal(lib.embed_tokens.weight, target.embed_tokens.weight)  # the verifier's
