@@ -31,6 +31,15 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
+def verifier_dir(target, tmp_path_factory):
+    """The module's `target` saved as an HF directory: the verifier a speculators export
+    names, from which the library reloads the embedding and head."""
+    path = tmp_path_factory.mktemp("verifier")
+    target.model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer: the converted copy, else read from the GGUF."""
     from transformers import AutoTokenizer

@@ -30,13 +30,6 @@ def target():
     return build_tiny_random(seed=0, num_layers=8, device="cpu")
 
 
-@pytest.fixture(scope="module")
-def verifier_dir(target, tmp_path_factory):
-    path = tmp_path_factory.mktemp("verifier")
-    target.model.save_pretrained(path)
-    return path
-
-
 def _checkpoint(run: Path, target, model: dict):
     """A run's checkpoint of a DFlash draft with every weight moved off its init."""
     counts = torch.randint(

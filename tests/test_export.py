@@ -214,17 +214,20 @@ def test_medusa2_exports_merged_target(target, tmp_path):
     assert not torch.allclose(target.model(input_ids=ids).logits, expected)  # LoRA did act
 
 
-def test_cli_exports_a_checkpoint_and_refuses_cleanly(target, tmp_path, capsys):
-    script = export_script()
+def _medusa_run(target, tmp_path):
+    """A run directory whose config names the tiny target, 2 random Medusa heads and their
+    draft config -> (run, target config, heads, draft config)."""
     run = tmp_path / "run"
     run.mkdir()
     target_cfg = {"_target_": "models.target_loaders.build_tiny_random", "seed": 0}
     (run / "config.yaml").write_text(OmegaConf.to_yaml({"target": target_cfg}))
-    heads = _random_heads(target)
-    draft_cfg = {
-        "kind": "medusa",
-        "model": {"_target_": "models.medusa.from_target", "num_heads": 2},
-    }
+    draft_cfg = {"kind": "medusa", "model": {"_target_": "models.medusa.from_target", "num_heads": 2}}  # fmt: skip
+    return run, target_cfg, _random_heads(target), draft_cfg
+
+
+def test_cli_exports_a_checkpoint_and_refuses_cleanly(target, tmp_path, capsys):
+    script = export_script()
+    run, target_cfg, heads, draft_cfg = _medusa_run(target, tmp_path)
     ckpt = save_checkpoint(run, 1, heads.state_dict(), OmegaConf.to_yaml(draft_cfg), {}, 1)
     out = script.main([str(ckpt), "--format", "vllm-medusa", "--out", str(tmp_path / "v")])
     assert torch.equal(
@@ -244,12 +247,7 @@ def test_an_export_names_its_target_and_refuses_another(target, tmp_path):
     from train.identity import target_identity
 
     script = export_script()
-    run = tmp_path / "run"
-    run.mkdir()
-    target_cfg = {"_target_": "models.target_loaders.build_tiny_random", "seed": 0}
-    (run / "config.yaml").write_text(OmegaConf.to_yaml({"target": target_cfg}))
-    heads = _random_heads(target)
-    draft_cfg = {"kind": "medusa", "model": {"_target_": "models.medusa.from_target", "num_heads": 2}}  # fmt: skip
+    run, target_cfg, heads, draft_cfg = _medusa_run(target, tmp_path)
     identity = {"target": target_identity(target, None), "draft": {"kind": "medusa"}}
     ckpt = save_checkpoint(run, 1, heads.state_dict(), OmegaConf.to_yaml(draft_cfg), {}, 1,
                            identity=identity)  # fmt: skip

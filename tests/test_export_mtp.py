@@ -214,13 +214,6 @@ def test_only_the_qk_norms_are_missing(target):
 
 
 # -- the served variant, exported and read back by the library ---------------------------------
-@pytest.fixture(scope="module")
-def verifier_dir(target, tmp_path_factory):
-    path = tmp_path_factory.mktemp("verifier")
-    target.model.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_served_mtp_export_is_what_the_library_computes(
     target, verifier_dir, tmp_path, capsys, attn

@@ -42,13 +42,6 @@ def target():
     return build_tiny_random(seed=0, num_layers=8, device="cpu")
 
 
-@pytest.fixture(scope="module")
-def verifier_dir(target, tmp_path_factory):
-    path = tmp_path_factory.mktemp("verifier")
-    target.model.save_pretrained(path)
-    return path
-
-
 def _checkpoint(run: Path, target, layers, vocab_size, train_head, norms=None):
     """A run's checkpoint of an EAGLE-3 head with every weight moved off its init; `norms`:
     EAGLE-3.1's options."""
