@@ -98,9 +98,8 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     if mode == "auto":
         # CPU: GEMM autotuning. Inductor's default compiled in less time (95 s against 241
         # for the verify of 4 and the AR step) but ran them at 36-39 ms against 20 (eager
-        # 55-63), and a flagship evaluation with it took 763 s (compiling 203) where one with
-        # autotuning had taken 588 (compiling 324; another day): the default's slower forwards
-        # cost more than its compiling saved.
+        # 55-63): which repays itself within one evaluation depends on its forwards, and was
+        # not measured side by side (docs/portable.md).
         return "reduce-overhead" if device.type == "cuda" else "max-autotune-no-cudagraphs"
     return mode
 
