@@ -15,6 +15,7 @@ and returns a JSON-able dict:
     accepted_per_prompt  accepted drafts per prompt, in prompt order
     tokens_per_s, ar_tokens_per_s, speedup (= tokens/s ratio; equals the AR/spec wall-time
                          ratio when both emit the same tokens, e.g. greedy), wall_time_ratio
+                         (None where the AR was decoded at another sampling: `with_ar`)
     ar_dtype             the dtype the AR above ran in: the decode dtype, or with
                          `same_dtype_ar=False` the fastest AR's
     best_ar_dtype, best_ar_tokens_per_s, speedup_best_ar
@@ -156,12 +157,15 @@ def decode_prompts(
     entropy: bool = True,  # record entropy_alpha (False: None, and no probe work per round)
     baseline: Target | None = None,  # the same target in the dtype of the machine's fastest AR
     same_dtype_ar: bool = True,  # with a baseline: also decode AR in the decode dtype
+    ar: bool = True,  # False: the speculative decode alone (`with_ar` adds another's AR)
 ) -> Decoded:
     """Decode `indices` of `prompts` AR and speculatively (and AR in the baseline's dtype),
     prompt i with the generator seeded seed + i whatever share it is in, after a warm-up on
     the share's first `warmup` prompts. `same_dtype_ar=False` with a baseline decodes AR in
     the baseline's dtype only: one pass fewer, every speedup is then against the fastest AR,
-    and the greedy match (defined within one dtype) is not measured."""
+    and the greedy match (defined within one dtype) is not measured. `ar=False` decodes no AR
+    pass at all: an AR forward costs the same at every sampling, so an evaluation of several
+    samplings decodes the AR at one and divides the others by it (`with_ar`)."""
     if baseline is not None and not same_dtype_ar:
         ar_target, baseline = baseline, None
     else:
@@ -175,9 +179,10 @@ def decode_prompts(
         return torch.Generator(device=device).manual_seed(seed + seed_offset)
 
     for i in indices[:warmup]:  # caches, allocator, kernel choice
-        generate(ar_target, _as_row(prompts[i]), None, generator=gen(i), **kw)
+        if ar:
+            generate(ar_target, _as_row(prompts[i]), None, generator=gen(i), **kw)
         generate(target, _as_row(prompts[i]), drafter, generator=gen(i), **spec_kw)
-        if baseline is not None:
+        if baseline is not None and ar:
             generate(
                 baseline, _as_row(prompts[i]).to(baseline.device), None, generator=gen(i), **kw
             )
@@ -191,15 +196,27 @@ def decode_prompts(
     for i in indices:  # the measured runs only, not the warm-up, are probed
         prompt = _as_row(prompts[i])
         probe = EntropyProbe() if entropy else None
-        out.ar.append(generate(ar_target, prompt, None, generator=gen(i), **kw))
+        if ar:
+            out.ar.append(generate(ar_target, prompt, None, generator=gen(i), **kw))
         out.spec.append(generate(target, prompt, drafter, generator=gen(i), probe=probe, **spec_kw))
-        if baseline is not None:  # interleaved with the other two, prompt by prompt
+        if baseline is not None and ar:  # interleaved with the other two, prompt by prompt
             out.best.append(generate(baseline, prompt, None, generator=gen(i), **kw))
         if probe is not None:
             out.entropy.append(
                 ([h.cpu() for h in probe.entropy], [a.cpu() for a in probe.acceptance])
             )
     return out
+
+
+def with_ar(decoded: Decoded, ar_decoded: Decoded) -> Decoded:
+    """`decoded` (a speculative decode alone, `decode_prompts(..., ar=False)`) with the AR
+    passes of `ar_decoded`, the same prompts decoded at another sampling: what `summarize`
+    divides its tokens/s by. The AR's tokens are then those of that sampling (greedy match
+    is measured for greedy `decoded` only, whose AR is its own)."""
+    if decoded.indices != ar_decoded.indices:
+        raise ValueError(f"AR of prompts {ar_decoded.indices}, decoded {decoded.indices}")
+    facts = decoded.facts | {"ar_sampling": ar_decoded.facts["sampling"]}
+    return dataclasses.replace(decoded, ar=ar_decoded.ar, best=ar_decoded.best, facts=facts)
 
 
 def merge_decoded(parts: list[Decoded]) -> Decoded:
@@ -293,6 +310,8 @@ def summarize(decoded: Decoded) -> dict:
         "dtype": facts["dtype"],
         "ar_dtype": facts.get("ar_dtype", facts["dtype"]),
     }
+    if facts.get("ar_sampling", sampling) != sampling:  # the AR decoded other text
+        out["wall_time_ratio"] = None
     if best_runs:
         best_tps = sum(r.num_tokens for r in best_runs) / sum(r.total_s for r in best_runs)
         out["best_ar_tokens_per_s"] = best_tps
@@ -302,7 +321,8 @@ def summarize(decoded: Decoded) -> dict:
         out["tree_size"] = sum(sizes) / len(sizes)
     # Greedy match is a losslessness check within one dtype: AR in another dtype parts from
     # the speculative decode at near-ties (docs/design.md §3), so it is not measured then.
-    if sampling.greedy and facts.get("ar_dtype", facts["dtype"]) == facts["dtype"]:
+    same_dtype = facts.get("ar_dtype", facts["dtype"]) == facts["dtype"]
+    if sampling.greedy and facts.get("ar_sampling", sampling).greedy and same_dtype:
         matches = [greedy_match(a.sequences[0], s.sequences[0]) for a, s in zip(ar_runs, spec_runs)]
         out["greedy_match_rate"] = sum(matches) / len(matches)
         out["greedy_exact_match"] = sum(

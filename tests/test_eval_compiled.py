@@ -1,8 +1,8 @@
 """The compiled path as evaluation's decode (train/eval_plan.py, train/evaluate.py): `decode.compile=only`
 decodes the compiled AR, the compiled speculative decode and the eager AR, and nothing else;
 `decode.compile=auto` takes the faster of the eager and compiled verify forward on this
-machine, measured once and cached per machine. Tiny random target, float32, aot_eager (no
-code generation), timings faked where a verdict is asserted."""
+machine where compiling pays, from what `only` recorded per machine. Tiny random target,
+float32, aot_eager (no code generation), timings faked where a verdict is asserted."""
 
 from __future__ import annotations
 
@@ -56,14 +56,14 @@ def eval_prompts() -> list[dict]:
     return [{"input_ids": p[0].tolist()} for p in prompts(2, seed=11)]
 
 
-def test_compile_only_is_the_evaluation_against_both_ars(target, monkeypatch):
+def test_compile_only_is_the_evaluation_against_both_ars(target, monkeypatch, tmp_path):
     """decode.compile=only: per prompt the compiled AR, the compiled speculative decode and
     the eager AR, and nothing else (no eager speculative pass); `speedup` is against the
     compiled AR, `speedup_eager_ar` against the eager one, `speedup_best_ar` against the
     faster of the two."""
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), eval_cfg(compile="only"), None)
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path, "only"), None)
     timed = calls[-6:]  # after the warm-up prompt: 2 prompts x 3 decodes
     assert sorted(set(calls)) == [("compiled", False), ("compiled", True), ("eager", False)]
     assert timed == [("compiled", False), ("compiled", True), ("eager", False)] * 2
@@ -97,62 +97,72 @@ def fake_forward_seconds(monkeypatch, eager_s: float, compiled_s: float) -> list
     return asked
 
 
-def auto_cfg(cache_dir):
-    cfg = eval_cfg(compile="auto")
+def auto_cfg(cache_dir, compile="auto"):
+    cfg = eval_cfg(compile=compile)
     cfg.data = {"cache_dir": str(cache_dir)}
     return cfg
 
 
+def records(cache_dir, use: str) -> list[dict]:
+    files = (cache_dir / "dtype").glob("*.json")
+    return [r for r in (json.loads(f.read_text()) for f in files) if r["key"]["use"] == use]
+
+
 @pytest.mark.parametrize("faster", ["compiled", "eager"])
-def test_compile_auto_takes_the_faster_path_and_remembers_it(target, monkeypatch, tmp_path, faster):
-    """auto measures both verify forwards once, decodes the faster path (compiled: as `only`;
-    eager: no compiled decode and no graphs kept), and writes the verdict to the cache: a
-    second run on this machine reads it without measuring; another machine measures again."""
+def test_compile_auto_decodes_what_only_recorded(target, monkeypatch, tmp_path, faster):
+    """On a CPU that never compiled this decode, auto decodes eagerly and compiles nothing
+    ("unmeasured"). decode.compile=only compiles whatever the verdict, times both verify
+    forwards and records the verdict and what compiling cost; auto then decodes the faster
+    path from the record without measuring (compiled: as `only`; eager: no graphs kept);
+    another machine has no record."""
     asked = fake_forward_seconds(monkeypatch, *((0.2, 0.1) if faster == "compiled" else (0.1, 0.2)))
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    result, copies = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
-    choice = result["dtypes"]["compile"]
+    first, copies = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
+    assert (first["dtypes"]["compile"]["dtype"], first["dtypes"]["compile"]["source"]) == (
+        "eager", "unmeasured")  # fmt: skip
+    assert asked == [] and {p for p, _ in calls} == {"eager"} and copies.compiled is None
+    assert records(tmp_path, "compile") == records(tmp_path, "compile_s") == []
+
+    only, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path, "only"), None)
+    assert only["decode_path"] == "compiled"
+    choice = only["dtypes"]["compile"]
     assert (choice["dtype"], choice["source"]) == (faster, "measured")
     assert choice["seconds"] == ({"eager": 0.2, "compiled": 0.1} if faster == "compiled"
                                  else {"eager": 0.1, "compiled": 0.2})  # fmt: skip
     assert sorted(asked) == ["compiled", "eager"]
-    spec_paths = {path for path, speculative in calls if speculative}
-    assert spec_paths == {faster}
-    assert result.get("decode_path") == ("compiled" if faster == "compiled" else None)
-    assert (copies.compiled is not None) == (faster == "compiled")
-    verdicts = [json.loads(f.read_text()) for f in (tmp_path / "dtype").glob("*.json")]
-    verdicts = [v for v in verdicts if v["key"]["use"] == "compile"]
-    assert len(verdicts) == 1 and verdicts[0]["dtype"] == faster
-
-    costs = [json.loads(f.read_text()) for f in (tmp_path / "dtype").glob("*.json")]
-    costs = [c for c in costs if c["key"]["use"] == "compile_s"]  # what compiling cost
-    assert len(costs) == 1 and costs[0]["seconds"] > 0
+    (verdict,) = records(tmp_path, "compile")
+    assert verdict["dtype"] == faster
+    (cost,) = records(tmp_path, "compile_s")  # what compiling cost
+    assert cost["seconds"] > 0
     for f in (tmp_path / "dtype").glob("*.json"):  # compiling repaid (the weighing: below)
         if json.loads(f.read_text())["key"]["use"] == "compile_s":
-            f.write_text(json.dumps(costs[0] | {"seconds": 0.0}))
-    asked.clear()  # a later run on this machine: the cached verdict, nothing measured
-    again, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
+            f.write_text(json.dumps(cost | {"seconds": 0.0}))
+    asked.clear()  # a later run on this machine: the recorded verdict, nothing measured
+    calls.clear()
+    torch._dynamo.reset()
+    again, copies = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
     assert again["dtypes"]["compile"]["source"] == "cached" and asked == []
     assert again["dtypes"]["compile"]["dtype"] == faster
+    assert {path for path, speculative in calls if speculative} == {faster}
+    assert again.get("decode_path") == ("compiled" if faster == "compiled" else None)
+    assert (copies.compiled is not None) == (faster == "compiled")
 
     other = {**models.dtype_choice.machine_key(), "cpu": "another CPU"}
     monkeypatch.setattr(models.dtype_choice, "machine_key", lambda: other)
     third, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
-    assert third["dtypes"]["compile"]["source"] == "measured" and sorted(asked) == [
-        "compiled",
-        "eager",
-    ]
+    assert third["dtypes"]["compile"]["source"] == "unmeasured" and asked == []
 
 
 @pytest.mark.parametrize(
-    "path, want", [("auto", "float32"), ("only", "float32"), (False, "bfloat16")]
+    "path, want", [("auto", "bfloat16"), ("only", "float32"), (False, "bfloat16")]
 )
 def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_path, path, want):
-    """decode.dtype=auto with the compiled path: the dtype whose verify runs fastest on that
-    path (compiled; with auto the faster of eager and compiled), not by eager timings alone.
-    Here bf16 wins eagerly and float32 compiled (as on a CPU with AVX2 only): a compiled
-    decode takes float32, an eager one bf16. The AR dtype stays the fastest eager one."""
+    """decode.dtype=auto with decode.compile=only: the dtype whose verify runs fastest
+    compiled, not by eager timings. Here bf16 wins eagerly and float32 compiled (as on a CPU
+    with AVX2 only): a compiled decode takes float32, an eager one bf16; auto times eagerly
+    (its path is chosen after the dtype) unless `only` recorded the compiled verdict on this
+    machine, which it then reads. The AR dtype stays the fastest eager one."""
     eager = {torch.float32: 0.30, torch.bfloat16: 0.20}
     compiled = {torch.float32: 0.10, torch.bfloat16: 0.15}
     asked = []
@@ -170,8 +180,15 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
     assert copies.dtypes["ar"]["dtype"] == "bfloat16"
     width = int(dec.k) + 1
     assert asked == (
-        [] if path is False else [(torch.float32, width, (1, 2)), (torch.bfloat16, width, (1, 2))]
+        [] if path != "only" else [(torch.float32, width, (1, 2)), (torch.bfloat16, width, (1, 2))]
     )
+    if path == "only":  # auto on this machine now reads the compiled verdict, timing nothing
+        auto = eval_cfg(compile="auto", dtype="auto").decode
+        again = train.eval_plan.decode_copies(target, auto, None, eval_prompts(), str(tmp_path),
+                                              (1, 2))  # fmt: skip
+        assert (again.dtypes["decode"]["dtype"], again.dtypes["decode"]["source"]) == (
+            "float32", "cached")  # fmt: skip
+        assert len(asked) == 2
 
 
 def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(target):
@@ -188,14 +205,14 @@ def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(targe
 def test_compile_auto_weighs_the_recorded_compile_seconds(target, monkeypatch, tmp_path):
     """A machine that compiled before knows the compiled verify's saving per forward and what
     compiling cost: an evaluation whose forwards cannot repay it decodes eagerly and compiles
-    nothing ("weighed"), one that can compiles; the bound counts every AR step and one verify
-    per new token at every temperature."""
+    nothing ("weighed"), one that can compiles; the bound counts the AR's steps at the headline
+    sampling and one verify per new token at every sampling."""
     fake_forward_seconds(monkeypatch, 0.2, 0.1)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)  # measures
+    evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path, "only"), None)  # records
     (cost_file,) = [f for f in (tmp_path / "dtype").glob("*.json")
                     if json.loads(f.read_text())["key"]["use"] == "compile_s"]  # fmt: skip
-    forwards = 12 * 1 * 2 * 2  # max_new_tokens x temperatures x (AR + verify) x prompts
+    forwards = 12 * (1 + 1) * 2  # max_new_tokens x (AR + a verify per temperature) x prompts
     for compile_s, want in ((forwards * 0.1 + 1.0, "eager"), (forwards * 0.1 - 1.0, "compiled")):
         cost_file.write_text(json.dumps({"key": {"use": "compile_s"}, "seconds": compile_s}))
         torch._dynamo.reset()
@@ -218,25 +235,44 @@ def test_compile_auto_weighs_the_recorded_compile_seconds(target, monkeypatch, t
             assert choice["seconds"]["saved at most"] == pytest.approx(forwards * 0.1)
 
 
-def test_compile_only_decodes_the_eager_ar_at_the_headline_sampling_alone(target, monkeypatch):
-    """With two temperatures the eager AR (the slowest pass) is decoded at greedy only, listed
-    second or not; the sampled row divides its tokens/s by that measurement."""
+def test_compile_only_decodes_every_ar_at_the_headline_sampling_alone(
+    target, monkeypatch, tmp_path
+):
+    """With two temperatures the ARs, compiled and eager, are decoded at greedy only, listed
+    second or not; the sampled row divides its tokens/s by those measurements."""
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    cfg = eval_cfg(compile="only", temperatures=[0.9, 0.0])
+    cfg = auto_cfg(tmp_path, "only")
+    cfg.decode.temperatures = [0.9, 0.0]
     result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
-    per_prompt = [("compiled", False), ("compiled", True)]
-    # greedy first: warm-up + 2 prompts with the eager AR, then T0.9's warm-up + 2 prompts
-    assert calls == (per_prompt + [("eager", False)]) * 3 + per_prompt * 3
-    greedy_eager = result["greedy/eager_ar_tokens_per_s"]
-    assert result["T0.9/eager_ar_tokens_per_s"] == greedy_eager
-    assert result["T0.9/eager_ar_decoded_at"] == "greedy"
+    # greedy first: warm-up + 2 prompts with both ARs, then T0.9's warm-up + 2 prompts alone
+    per_prompt = [("compiled", False), ("compiled", True), ("eager", False)]
+    assert calls == per_prompt * 3 + [("compiled", True)] * 3
+    for key in ("eager_ar_tokens_per_s", "compiled_ar_tokens_per_s", "ar_new_tokens"):
+        assert result[f"T0.9/{key}"] == result[f"greedy/{key}"]
+    assert result["T0.9/ar_decoded_at"] == "greedy"
     assert result["T0.9/speedup_eager_ar"] == pytest.approx(
-        result["T0.9/tokens_per_s"] / greedy_eager
+        result["T0.9/tokens_per_s"] / result["greedy/eager_ar_tokens_per_s"]
     )
     assert result["T0.9/speedup"] == pytest.approx(
-        result["T0.9/tokens_per_s"] / result["T0.9/compiled_ar_tokens_per_s"]
+        result["T0.9/tokens_per_s"] / result["greedy/compiled_ar_tokens_per_s"]
     )
+    assert result["T0.9/greedy_match_rate"] is None
+
+
+def test_eager_path_decodes_the_ar_at_the_headline_sampling_alone(target, monkeypatch):
+    """The eager evaluation the same: the AR once, at greedy, and the sampled row's speedup
+    against it; greedy keeps its greedy match (its AR is its own)."""
+    calls = recorded_decodes(monkeypatch)
+    draft = draft_lm.from_target(target, num_layers=2, init="random")
+    cfg = eval_cfg(compile=False, temperatures=[0.9, 0.0])
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
+    assert calls == [("eager", False), ("eager", True)] * 3 + [("eager", True)] * 3
+    assert result["T0.9/ar_tokens_per_s"] == result["greedy/ar_tokens_per_s"]
+    assert result["T0.9/speedup"] == pytest.approx(
+        result["T0.9/tokens_per_s"] / result["greedy/ar_tokens_per_s"]
+    )
+    assert result["greedy/greedy_match_rate"] == 1.0
 
 
 def test_compile_cache_is_kept_under_the_cache_root_unless_the_user_set_one(tmp_path, monkeypatch):

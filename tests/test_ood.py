@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from models import eagle
 from train.data.corpus import CATEGORIES
 from train.data.prompt_file import BUILTIN_OOD, load_prompt_file, ood_prompts
-from train.evaluate import evaluate_checkpoint
+from train.evaluate import evaluate_checkpoint, format_eval_table
 
 
 def test_the_builtin_set_is_of_kinds_the_embedded_pool_lacks(tiny):
@@ -77,4 +77,9 @@ def test_ood_tau_is_the_tau_of_the_same_decode_on_those_prompts(tmp_path, tiny, 
     for tag in tags:  # other prompts decode other text: the equalities can tell the sets apart
         assert result[f"{tag}/accepted_per_prompt"] != alone[f"{tag}/accepted_per_prompt"]
     assert result["ood/tau"] == result[f"ood/{headline}/tau"]
+    ood_alpha = " ".join("-" if a is None else f"{a:.2f}" for a in result[f"ood/{headline}/alpha"])
     assert result["ood/tau_ratio"] == pytest.approx(result["ood/tau"] / result["tau"])
+    # the console's table: a row per sampling and one OOD row below the headline, no speeds
+    rows = format_eval_table([result]).splitlines()[2:]
+    assert [row.split(" | ")[1] for row in rows] == [headline, f"ood/{headline}", *tags[1:]]
+    assert rows[1].endswith(f"| {result['ood/tau']:.3f} | {ood_alpha} | - | - | - | - |")

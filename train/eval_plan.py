@@ -6,8 +6,9 @@ records each (summary.json `dtypes`):
 1. **Dtypes** (`decode.dtype`, at a run's first evaluation): the frozen target in the dtype
    whose decode costs least per token on this machine (`decode_copies`: one forward of the
    verify's width over a typical cache plus the prompt's prefill spread over the new tokens;
-   timed on the path the decode will take, compiled where `decode.compile` is auto | only on
-   a CPU, since the eager verdict does not predict the compiled one), and in the dtype of the
+   timed on the path the decode will take: compiled where `decode.compile=only` on a CPU,
+   and with auto where `only` recorded it, since the eager verdict does not predict the
+   compiled one), and in the dtype of the
    machine's fastest eager AR when that is another (the baseline of `speedup_best_ar`). The
    draft copy's dtype (`decode.draft_dtype`): the faster per verify round beside that target.
    Verdicts are measured once per machine and cached (models/dtype_choice.py); the copies keep
@@ -15,14 +16,15 @@ records each (summary.json `dtypes`):
    inv_freq and decodes another target than the one trained on).
 2. **Path** (`decode.compile`): false = eager; only = the compiled decode is the evaluation;
    true = both, the compiled one's keys beside the eager ones; auto = the faster verify
-   forward, compiled or eager, once compiling is repaid (`compile_choice`: the first
-   evaluation on a machine compiles to measure, later ones weigh the recorded compile seconds
-   against what this evaluation's forwards can save). The compiled target and a draft copy
+   forward, compiled or eager, where compiling is repaid within this evaluation
+   (`compile_choice`: the recorded compile seconds weighed against what its forwards can
+   save; a CPU without a record decodes eagerly, `only` records). The compiled target and a draft copy
    with its drafter are built at a run's first evaluation and kept (`DecodeCopies`): later
    checkpoints copy their weights into that copy in place, so no graph is compiled again.
 3. **Baselines**: the AR in the decode dtype and, where the fastest eager AR runs in another
    dtype, that one too (`decode.same_dtype_ar=false`: that one only); with the compiled path
-   the compiled AR, and the eager AR in its fastest dtype at the headline sampling.
+   the compiled AR and the eager AR in its fastest dtype. Decoded at the headline sampling
+   only (train/evaluate.py).
 
 With several processes rank 0 decides and every rank follows its verdicts (`copies_in`).
 """
@@ -54,6 +56,22 @@ from models.target import Target
 from train.data.prompt_file import ood_prompts
 from train.ranks import Ranks
 from train.step_stats import decode_samplings
+
+# decode.compile=auto on a CPU that never compiled this decode: what to do about it
+UNMEASURED = (
+    ": compiling was never timed here (minutes on a CPU); `scripts/evaluate.py CKPT "
+    "decode.compile=only` times and records it, and auto weighs it from then on"
+)
+
+
+def describe_compile(choice: dict, setting: str) -> str:
+    """The console's line for `compile_choice`'s record."""
+    times = "".join(f", {k} {v:.0f} s" if k in ("compile", "saved at most") else
+                    f", {k} {v * 1e3:.1f} ms" for k, v in choice["seconds"].items())  # fmt: skip
+    if setting == "only":  # compiled whatever the verdict
+        return f"decode path: compiled (only; the faster verify: {choice['dtype']}{times})"
+    hint = UNMEASURED if choice["source"] == "unmeasured" else ""
+    return f"decode path: {choice['dtype']} (auto: {choice['source']}{times}){hint}"
 
 
 @dataclass
@@ -129,22 +147,22 @@ def plan_checkpoint(
     compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
     setting = dec.get("compile", False)
     max_len = max(p.shape[1] for p in prompts + ood) + max_new_tokens
-    if setting == "auto":  # measured at a run's first evaluation by rank 0, then kept
-        if "compile" not in target_eval.dtypes:
-            choice = None
-            if ranks.main:
-                cache_dir = (cfg.get("data") or {}).get("cache_dir")
-                # at most: every AR step, one verify per new token, every temperature
-                forwards = max_new_tokens * (len(samplings) * 2 * len(prompts) + len(ood))
-                choice = compile_choice(
-                    target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
-                    [p.shape[1] for p in prompts], cache_dir, forwards,
-                ).as_record()  # fmt: skip
-                print(f"decode path: {choice['dtype']} ({choice['source']}; " + ", ".join(
-                    f"{k} {v:.0f} s" if k in ("compile", "saved at most") else
-                    f"{k} {v * 1e3:.1f} ms" for k, v in choice["seconds"].items()) + ")",
-                    flush=True)  # fmt: skip
-            target_eval.dtypes["compile"] = ranks.broadcast(choice)
+    if setting in ("auto", "only") and "compile" not in target_eval.dtypes:
+        spent = STATS.seconds
+        if setting == "only":  # every rank compiles at once; rank 0 then times both paths
+            compiled_decoding(target_eval, draft_eval, decode_target, drafter, dec, tree, max_len)
+        choice = None  # decided at a run's first evaluation by rank 0, then kept
+        if ranks.main:
+            cache_dir = (cfg.get("data") or {}).get("cache_dir")
+            # at most: the AR at the headline sampling, one verify per new token at each
+            forwards = max_new_tokens * ((len(samplings) + 1) * len(prompts) + len(ood))
+            choice = compile_choice(
+                target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
+                [p.shape[1] for p in prompts], cache_dir, forwards, STATS.seconds - spent,
+            ).as_record()  # fmt: skip
+            print(describe_compile(choice, setting), flush=True)
+        target_eval.dtypes["compile"] = ranks.broadcast(choice)
+    if setting == "auto":
         setting = "only" if target_eval.dtypes["compile"]["dtype"] == "compiled" else False
     only_compiled = setting == "only"  # the compiled decode IS the evaluation
     if setting:
@@ -185,8 +203,10 @@ def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
 
 
 def compiled_verify_timed(dec: DictConfig, device: torch.device) -> str | None:
-    """ "auto" | "only" where decode.dtype=auto times the verify on the compiled path (a CPU
-    decoding with decode.compile=auto | only; decode_copies), else None."""
+    """Where decode.dtype=auto may time the verify on the compiled path (decode_copies): a
+    CPU decoding with decode.compile=only ("only": timed compiled) or auto ("auto": the
+    verdict `only` timed, where this machine has one; else eager timings, since the path
+    is chosen after the dtype and timing a compiled verify costs a compile per dtype)."""
     path = str(dec.get("compile", False))
     timed = dec.get("dtype") == "auto" and device.type == "cpu" and path in ("auto", "only")
     return path if timed else None
@@ -216,17 +236,19 @@ def decode_copies(
     for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
         shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached,
                   "prefill": prompt, "per": per}  # fmt: skip
-        timed_compiled = use == "decode" and path is not None
-        if timed_compiled:  # a verdict timed eagerly is not this one
-            shapes |= {"path": path, "mode": mode, "taps": list(hidden_layers)}
+        timed = shapes | {"path": "only", "mode": mode, "taps": list(hidden_layers)}
+        recorded = dtype_choice.cache_file(
+            cache_dir, {**dtype_choice.machine_key(), "use": use, "shapes": timed}
+        ).is_file()
+        compiled = use == "decode" and (path == "only" or (path == "auto" and recorded))
+        if compiled:  # a verdict timed eagerly is not this one
+            shapes = timed
 
-        def measure(dtype, new=new, timed_compiled=timed_compiled):
+        def measure(dtype, new=new, compiled=compiled):
             prefill = time_forward(target, dtype, 1, prompt, 1)
-            if not timed_compiled:
+            if not compiled:
                 return time_forward(target, dtype, 1, new, cached) + prefill / per
             step = compiled_forward_seconds(target, dtype, new, cached, hidden_layers, mode)
-            if path == "auto":  # the decode will take the faster path
-                step = min(step, time_forward(target, dtype, 1, new, cached))
             return step + prefill / per
 
         choices[use] = choose_dtype(use, setting, shapes, measure, target.device, cache_dir)
@@ -316,18 +338,22 @@ def compiled_decoding(
 def compile_choice(
     copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
     dec: DictConfig, tree: TreeSpec | None, max_len: int, prompt_lengths: list[int],
-    cache_dir: str | None, forwards: int,
+    cache_dir: str | None, forwards: int, compiled_s: float = 0.0,
 ) -> DtypeChoice:  # fmt: skip
-    """decode.compile=auto: "compiled" (the compiled path is the evaluation, as
-    decode.compile=only) where one verify forward (k + 1 tokens, or tree size + 1) of the
-    compiled target is faster than the eager one's, over a typical cache, on this machine, and
-    the seconds that saves over this evaluation's target forwards (`forwards`, an upper bound:
-    every AR step and one verify per new token) repay what compiling cost; else "eager".
-    Both are known once this machine compiled the target: its first evaluation compiles to
-    measure (a compiled verdict keeps those graphs, `copies.compiled`; an eager one drops
-    them) and records the verdict and the compile seconds (models/dtype_choice.py, per
-    machine, target, dtype, width and mode); a later evaluation too small to repay them
-    decodes eagerly without compiling ("weighed")."""
+    """The compiled path's verdict: "compiled" where one verify forward (k + 1 tokens, or tree
+    size + 1) of the compiled target is faster than the eager one's, over a typical cache, on
+    this machine, else "eager"; recorded per machine, target, dtype, width and mode
+    (models/dtype_choice.py) with what compiling cost (`use: compile_s`).
+
+    decode.compile=only compiles whatever the verdict (before this call: `compiled_s`, the
+    seconds that took), times both paths and records them.
+    decode.compile=auto decodes the compiled path only where compiling pays within this
+    evaluation: with a record, where the seconds it saves over `forwards` (an upper bound:
+    the AR and one verify per new token) exceed what compiling cost ("weighed" when they do
+    not: eager, nothing compiled); without one, on a CPU it decodes eagerly ("unmeasured": a
+    cold compile there costs minutes, more than one evaluation's forwards save; `only` records
+    it), on CUDA it compiles to measure (an eager verdict drops the graphs)."""
+    setting = str(dec.get("compile"))
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
     lengths = sorted(prompt_lengths)
     cached = min(lengths[len(lengths) // 2] + int(dec.max_new_tokens) // 2, max_len - width)
@@ -341,13 +367,16 @@ def compile_choice(
     verdict_file = dtype_choice.cache_file(
         cache_dir, {**machine, "use": "compile", "shapes": shapes}
     )
-    if copies.compiled is None and cost_file.is_file() and verdict_file.is_file():
+    recorded = cost_file.is_file() and verdict_file.is_file()
+    if setting == "auto" and copies.compiled is None and recorded:
         verdict = json.loads(verdict_file.read_text())
         seconds, compile_s = verdict["seconds"], json.loads(cost_file.read_text())["seconds"]
         saved_s = forwards * (seconds["eager"] - seconds["compiled"])
         if verdict["dtype"] == "compiled" and saved_s < compile_s:
             return DtypeChoice("compile", "eager", "weighed", seconds | {"compile": compile_s,
                                "saved at most": max(saved_s, 0.0)}, shapes)  # fmt: skip
+    elif setting == "auto" and copies.compiled is None and decode_target.device.type == "cpu":
+        return DtypeChoice("compile", "eager", "unmeasured", {}, shapes)
     spent = STATS.seconds
 
     def measure(path: str) -> float:
@@ -359,12 +388,13 @@ def compile_choice(
         return forward_seconds(compiled, width, cached, layers)
 
     choice = choose_measured("compile", shapes, measure, cache_dir, ("eager", "compiled"))
-    if STATS.seconds > spent:  # this evaluation compiled: what that cost, for later ones
+    compile_s = compiled_s + STATS.seconds - spent
+    if compile_s > 0:  # this evaluation compiled: what that cost, for later ones
         cost_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cost_file.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": cost_key, "seconds": STATS.seconds - spent}))
+        tmp.write_text(json.dumps({"key": cost_key, "seconds": compile_s}))
         tmp.replace(cost_file)
-    if choice.dtype == "eager":  # no graphs kept for a path that is not used
+    if setting == "auto" and choice.dtype == "eager":  # no graphs kept for a path not used
         copies.compiled = copies.draft = copies.drafter = None
     return choice
 

@@ -4,18 +4,21 @@
 — eager or compiled —, the baselines, the prompts; decided once per run from measurements on
 this machine and recorded under `dtypes`), then decodes it. For every configured sampling,
 headline first (greedy where configured), `decoding.metrics.decode_prompts` decodes each
-prompt AR and speculatively side by side, and `summarize` gives tau, per-position acceptance,
-the speedup against each AR and the acceptance against the target's entropy
-(`<tag>/entropy_alpha`; decoding/entropy.py, docs/design.md §3). Beside them: the training
+prompt speculatively (and at the headline, AR side by side), and `summarize` gives tau,
+per-position acceptance, the speedup against each AR and the acceptance against the
+target's entropy (`<tag>/entropy_alpha`; decoding/entropy.py, docs/design.md §3). Beside them: the training
 proxy's prediction at that same sampling and its error (`<tag>/proxy_tau`, `proxy_error`:
 simulated tau from alpha = sum min(p, q), from top-1 agreement for greedy;
 train/step_stats.py), so a train/decode mismatch (high proxy, tau ~ 1) shows at once, and at
 the headline sampling the out-of-domain prompts' tau (`ood/<tag>/tau`, `ood/tau_ratio`).
 
-With the compiled path as the evaluation (`decode_path: compiled`) each prompt is decoded
-by the compiled AR, the compiled speculative decode and, at the headline sampling, the eager
-AR in its fastest dtype: `<tag>/speedup` is against the compiled AR, `speedup_eager_ar`
-against the eager one, `speedup_best_ar` against the faster (`compiled_against_both`).
+The AR is decoded at the headline sampling alone, interleaved prompt by prompt with its
+speculative decode (an AR forward costs the same at every temperature): the speedups of the
+other samplings divide by it (`<tag>/ar_decoded_at`). With the compiled path as the
+evaluation (`decode_path: compiled`) each prompt is decoded by the compiled AR, the compiled
+speculative decode and the eager AR in its fastest dtype: `<tag>/speedup` is against the
+compiled AR, `speedup_eager_ar` against the eager one, `speedup_best_ar` against the faster
+(`compiled_against_both`).
 `decode.compile=true` decodes both paths and logs the compiled one's `<tag>/compiled_<key>`
 beside the eager keys. `compile_s`, `compiled_graphs` and `compiled_cudagraphs` say what
 compiling cost at this checkpoint (0 once a run's graphs exist).
@@ -40,6 +43,7 @@ from decoding.metrics import (
     decode_spec_only,
     merge_decoded,
     summarize,
+    with_ar,
 )
 from models.target import Target
 from train.eval_plan import DecodeCopies, plan_checkpoint
@@ -87,10 +91,11 @@ def evaluate_checkpoint(
     # keeps its AR on the adapted one, what its speculative decode must reproduce.
     same_dtype_ar = bool(dec.get("same_dtype_ar", True)) or decode_target is not target_eval.target
     result["dtypes"] = target_eval.dtypes
-    # The headline sampling, decoded first: with the compiled path the eager AR is decoded at
-    # it alone (an AR forward costs the same at every temperature), and so are the OOD prompts
+    # The headline sampling, decoded first, is the only one decoded AR too: an AR forward
+    # costs the same at every temperature, so the other samplings' speedups divide by the AR
+    # decoded there (`with_ar`, `<tag>/ar_decoded_at`). The OOD prompts are decoded at it alone.
     first = "greedy" if "greedy" in samplings else next(iter(samplings))
-    eager_ar_record = None  # the eager AR's dtype and tokens/s, for the samplings after it
+    headline = compiled_headline = None  # the headline's Decoded: its AR serves the others
     for tag, sampling in sorted(samplings.items(), key=lambda item: item[0] != first):
         kw = dict(
             k=k,
@@ -100,6 +105,7 @@ def evaluate_checkpoint(
             seed=int(dec.get("seed", cfg.seed)),
             adaptive_k=bool(dec.get("adaptive_k", False)),
             tree=tree,
+            ar=tag == first,
         )
         used = compiled[1] if only_compiled else drafter
         if isinstance(used, LookupDrafter):  # rounds counted per sampling
@@ -109,12 +115,7 @@ def evaluate_checkpoint(
                 eager_ar = target_eval.baseline or decode_target
                 if decode_target is not target_eval.target:  # Medusa-2: the adapted target
                     eager_ar = decode_target
-                # An AR forward costs the same at every temperature: the eager AR, the
-                # slowest pass of all, is decoded at the first sampling only
-                eager_ar = eager_ar if tag == first else None
-                share = decode_prompts(
-                    *compiled, prompts, mine, baseline=eager_ar, **kw
-                )  # fmt: skip
+                share = decode_prompts(*compiled, prompts, mine, baseline=eager_ar, **kw)
             else:
                 share = decode_prompts(
                     decode_target, drafter, prompts, mine, baseline=target_eval.baseline,
@@ -123,20 +124,23 @@ def evaluate_checkpoint(
             parts = ranks.gather(share)
             if ranks.world > 1:  # which rank decoded which prompts
                 result["prompts_by_rank"] = [part.indices for part in parts]
-            m = summarize(merge_decoded(parts))
+            decoded = merge_decoded(parts)
+            if tag == first:
+                headline = decoded
+            else:
+                decoded = with_ar(decoded, headline)
+            m = summarize(decoded)
+            m["ar_decoded_at"] = first
             if only_compiled:
-                if tag == first:
-                    eager_ar_record = {
-                        key: m[key] for key in ("best_ar_dtype", "best_ar_tokens_per_s")
-                    }
-                else:  # against the eager AR decoded at the first sampling
-                    m |= eager_ar_record
-                    m["speedup_best_ar"] = m["tokens_per_s"] / m["best_ar_tokens_per_s"]
                 m = compiled_against_both(m)
-                m["eager_ar_decoded_at"] = first
-            elif compiled is not None:  # COMPILED_KEYS only
+            elif compiled is not None:  # COMPILED_KEYS only, the compiled AR at `first` too
                 share = decode_prompts(*compiled, prompts, mine, entropy=False, **kw)
-                mc = summarize(merge_decoded(ranks.gather(share)))
+                compiled_decoded = merge_decoded(ranks.gather(share))
+                if tag == first:
+                    compiled_headline = compiled_decoded
+                else:
+                    compiled_decoded = with_ar(compiled_decoded, compiled_headline)
+                mc = summarize(compiled_decoded)
                 result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
         for key, value in m.items():
             result[f"{tag}/{key}"] = value
@@ -146,7 +150,7 @@ def evaluate_checkpoint(
             result[f"{tag}/lookup_share"] = lookups / max(rounds, 1)
         if ood and tag == first:  # the same decode on out-of-domain prompts: tau, alpha
             spec = compiled if only_compiled else (decode_target, drafter)
-            kw.pop("warmup")
+            kw.pop("warmup"), kw.pop("ar")
             with torch.no_grad():
                 runs = decode_spec_only(*spec, ood, ranks.mine(len(ood)), **kw)
             runs = [r for part in ranks.gather(runs) for r in part]
@@ -213,16 +217,23 @@ def format_eval_table(evals: list[dict]) -> str:
             if not key.endswith("/tau"):
                 continue
             tag = key[: -len("/tau")]
+            if tag == "ood":  # the headline sampling's ood/<tag>/tau again
+                continue
             alpha = " ".join("-" if a is None else f"{a:.2f}" for a in ev.get(f"{tag}/alpha", []))
-            row = (
-                f"| {ev.get('step', '?')} | {tag} | {tau:.3f} | {alpha} "
-                f"| {ev.get(f'{tag}/speedup', float('nan')):.2f}x "
-                f"| {ev.get(f'{tag}/speedup_best_ar', float('nan')):.2f}x "
-                f"({ev.get(f'{tag}/best_ar', ev.get(f'{tag}/best_ar_dtype', '?'))}) "
-                f"| {ev.get(f'{tag}/tokens_per_s', float('nan')):.1f} "
-                f"| {ev.get(f'{tag}/ar_tokens_per_s', float('nan')):.1f} |"
-            )
-            if compiled:
+            row = f"| {ev.get('step', '?')} | {tag} | {tau:.3f} | {alpha} "
+            if f"{tag}/speedup" in ev:
+                row += (
+                    f"| {ev[f'{tag}/speedup']:.2f}x "
+                    f"| {ev.get(f'{tag}/speedup_best_ar', float('nan')):.2f}x "
+                    f"({ev.get(f'{tag}/best_ar', ev.get(f'{tag}/best_ar_dtype', '?'))}) "
+                    f"| {ev.get(f'{tag}/tokens_per_s', float('nan')):.1f} "
+                    f"| {ev.get(f'{tag}/ar_tokens_per_s', float('nan')):.1f} |"
+                )
+            else:  # out-of-domain prompts: decoded for tau alone, no AR pass
+                row += "| - | - | - | - |"
+            if compiled and f"{tag}/speedup" not in ev:
+                row += " - | - | - |"
+            elif compiled:
                 row += (
                     f" {ev.get(f'{tag}/compiled_speedup', float('nan')):.2f}x "
                     f"| {ev.get(f'{tag}/compiled_tokens_per_s', float('nan')):.1f} "
