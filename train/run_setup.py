@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import hydra.utils
@@ -131,11 +132,16 @@ def feature_cache(
     if not cfg.train.get("feature_cache"):
         return None
     first_epoch = global_rows(0, len(rows), len(rows), cfg.seed)
-    return build_feature_cache(
+    start = time.perf_counter()
+    cache = build_feature_cache(
         target, rows, draft.hidden_layers, cfg.data.get("cache_dir"),
         batch_size=cfg.train.batch_size, order=first_epoch,
         progress=accelerator.is_main_process, ranks=Ranks.current(),
     )  # fmt: skip
+    if accelerator.is_main_process:  # a stage line: computed once, then read in seconds
+        print(f"[draftlab] features: the target's taps {tuple(draft.hidden_layers)} over "
+              f"{len(rows)} rows, ready in {time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+    return cache
 
 
 def make_replay(

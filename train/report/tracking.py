@@ -118,6 +118,9 @@ def init_tracking(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) -> N
                 "tags": wb["tags"],
                 "dir": str(run_dir),
                 "entity": cfg.logger.get("entity"),
+                # no run-history and summary tables on the console at the end (~30 lines):
+                # they are in the run's files and W&B; where the run is saved is still said
+                "settings": {"quiet": True},
             }
         },
     )
