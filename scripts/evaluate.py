@@ -82,7 +82,7 @@ from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.formats.export import checkpoint_config, load_target
 from train.formats.init_from import detect_format, init_draft_from
 from train.identity import evaluate_differences, refusal
-from train.run_files import read_eval_prompts
+from train.run_files import read_eval_prompts, route_third_party_output
 from train.settings import check_decode, check_decode_context, check_draft_decode
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -313,6 +313,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"{list(dec.temperatures)}, {dec.max_new_tokens} new tokens, {dec.dtype}, AR and "
         "speculative side by side"
     )
+    log_dir = ckpt.parent.parent if ckpt else (args.out.parent if args.out else None)
+    if log_dir is not None:  # autotuning tables, library warnings: the run's third_party.log
+        log_dir.mkdir(parents=True, exist_ok=True)
+        route_third_party_output(log_dir)
     t0 = time.perf_counter()
     result, _ = evaluate_checkpoint(target, draft, eval_prompts, cfg, None)  # no training record
     meta = ckpt / "meta.json" if ckpt else None  # step and train_s, as a run's eval records

@@ -14,6 +14,7 @@ import torch
 
 import decoding.metrics
 import models.dtype_choice
+import models.few_rows
 import train.eval_plan
 from decoding.compiled import CompiledTarget, counts_recordings
 from models import draft_lm
@@ -173,6 +174,7 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
         return compiled[dtype]
 
     monkeypatch.setattr(train.eval_plan, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
+    monkeypatch.setattr(models.few_rows, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
     monkeypatch.setattr(train.eval_plan, "compiled_forward_seconds", fake_compiled)
     dec = eval_cfg(compile=path, dtype="auto").decode
     copies = train.eval_plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path), (1, 2))

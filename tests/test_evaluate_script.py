@@ -5,6 +5,7 @@ prompts are rendered, and refuses bad input clearly."""
 import importlib.util
 import json
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -269,3 +270,33 @@ def test_the_runs_stored_eval_prompts_need_no_data_preparation(run_dir, tmp_path
     assert "(a run from before runs stored their eval prompts): rebuilding the eval prompts" in capsys.readouterr().err  # fmt: skip
     ev.main([str(run_dir), *quick, "data.num_eval=3"])  # other prompts: prepared again
     assert len(calls) == 2 and "data.num_eval not as the run had them" in capsys.readouterr().err
+
+
+def test_third_party_output_goes_to_the_runs_log(run_dir, monkeypatch, capsys):
+    """Inductor's autotuning tables and other packages' warnings printed while evaluate.py
+    decodes land in <run_dir>/third_party.log, not on the console (as in training)."""
+    import warnings
+
+    from torch._inductor import select_algorithm
+
+    cls = select_algorithm.AlgorithmSelectorCache
+    monkeypatch.setattr(cls, "log_results", staticmethod(
+        lambda name, *a, **k: sys.stderr.write(f"AUTOTUNE {name}(4x4)\n")))  # fmt: skip
+    real = ev.evaluate_checkpoint
+
+    def noisy(*args, **kwargs):
+        cls.log_results("mm", [], {}, 0.1, 0.1)
+        warnings.warn_explicit("a library's notice", FutureWarning, "/v/site-packages/lib.py", 1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "evaluate_checkpoint", noisy)
+    log = run_dir / "third_party.log"
+    before = log.read_text() if log.is_file() else ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        ev.main([str(run_dir), "decode.temperatures=[0]", "decode.num_prompts=1"])
+    captured = capsys.readouterr()
+    added = log.read_text()[len(before) :]
+    assert "AUTOTUNE mm(4x4)" in added and "a library's notice" in added
+    assert "AUTOTUNE" not in captured.err + captured.out
+    assert "a library's notice" not in captured.err + captured.out

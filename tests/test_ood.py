@@ -83,3 +83,29 @@ def test_ood_tau_is_the_tau_of_the_same_decode_on_those_prompts(tmp_path, tiny, 
     rows = format_eval_table([result]).splitlines()[2:]
     assert [row.split(" | ")[1] for row in rows] == [headline, f"ood/{headline}", *tags[1:]]
     assert rows[1].endswith(f"| {result['ood/tau']:.3f} | {ood_alpha} | - | - | - | - |")
+
+
+def test_ood_num_prompts_takes_prompts_spread_over_the_file(tmp_path, tiny, monkeypatch):
+    """decode.ood_num_prompts=2 of a file of 4 (two kinds in blocks, as the builtin's) decodes
+    prompts 0 and 2, one of each kind, and reports their count."""
+    import train.evaluate
+
+    decoded = []
+    real = train.evaluate.decode_spec_only
+
+    def recording(target, drafter, prompts, mine, **kw):
+        decoded.extend(p[0].tolist() for p in prompts)
+        return real(target, drafter, prompts, mine, **kw)
+
+    monkeypatch.setattr(train.evaluate, "decode_spec_only", recording)
+    draft = eagle.from_target(tiny, None, vocab_size="full", ttt_steps=2)
+    texts = ["sum 2+2", "sum 3+5", "a b c d", "e f g"]
+    path = tmp_path / "ood.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in texts))
+    ood = load_prompt_file(path, tiny.tokenizer, None)
+    in_domain = [{"input_ids": list(range(3, 3 + n))} for n in (5, 9, 7)]
+    cfg = _cfg(str(path), (0.0,))
+    cfg.decode.ood_num_prompts = 2
+    result, _ = evaluate_checkpoint(tiny, draft, in_domain, cfg, None)
+    assert result["ood_num_prompts"] == 2
+    assert decoded == [ood[0]["input_ids"], ood[2]["input_ids"]]

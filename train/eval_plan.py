@@ -21,6 +21,8 @@ records each (summary.json `dtypes`):
    save; a CPU without a record decodes eagerly, `only` records). The compiled target and a draft copy
    with its drafter are built at a run's first evaluation and kept (`DecodeCopies`): later
    checkpoints copy their weights into that copy in place, so no graph is compiled again.
+   On an eager CPU decode, each copy's linear layers then take the faster layout for the few
+   rows they multiply (models/few_rows.py: F.linear or W @ x^T), measured once per machine.
 3. **Baselines**: the AR in the decode dtype and, where the fastest eager AR runs in another
    dtype, that one too (`decode.same_dtype_ar=false`: that one only); with the compiled path
    the compiled AR and the eager AR in its fastest dtype. Decoded at the headline sampling
@@ -46,12 +48,13 @@ from decoding.compiled import STATS, CompiledTarget, use_compile_cache
 from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import with_lookup
-from decoding.rounds import sync
 from decoding.spec import generate
+from decoding.timing import compiled_forward_seconds, forward_seconds
 from decoding.tree import TreeSpec
 from models import dtype_choice
 from models.dtype_choice import DtypeChoice, choose_dtype, choose_measured, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
+from models.few_rows import choose_layouts, few_rows_products, time_in_layout
 from models.target import Target
 from train.data.prompt_file import ood_prompts
 from train.ranks import Ranks
@@ -141,7 +144,9 @@ def plan_checkpoint(
     ood = ood_prompts(
         dec.get("ood_prompts"), target.tokenizer, (cfg.get("data") or {}).get("chat_template")
     )
-    ood = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in ood[:num]]
+    ood_num = min(dec.get("ood_num_prompts") or num, len(ood))  # spread over the file's kinds
+    ood = [ood[i * len(ood) // ood_num] for i in range(ood_num)]
+    ood = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in ood]
     max_new_tokens = int(dec.get("max_new_tokens", 64))
     samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
     compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
@@ -165,12 +170,45 @@ def plan_checkpoint(
     if setting == "auto":
         setting = "only" if target_eval.dtypes["compile"]["dtype"] == "compiled" else False
     only_compiled = setting == "only"  # the compiled decode IS the evaluation
+    layout = str(dec.get("linear_layout", "plain"))  # conf/decode/chain.yaml: auto
+    if layout not in ("auto", "plain", "transposed"):
+        raise ValueError(f"decode.linear_layout={layout!r}: use auto, plain or transposed")
+    copies = {"layout": target_eval.target, "layout_ar": target_eval.baseline}
+    if not setting and target.device.type == "cpu" and layout != "plain":  # eager decoding
+        if layout == "transposed":
+            target_eval.dtypes["layout"] = DtypeChoice("layout", layout, "explicit").as_record()
+            target_eval.dtypes["layout_ar"] = target_eval.dtypes["layout"]
+        elif "layout" not in target_eval.dtypes:  # auto: measured by rank 0, once per run
+            choices = None
+            if ranks.main:
+                _, cached, width = typical_shapes(dec, tree, eval_prompts)
+                widths = {"layout": (width, 1), "layout_ar": (1,)}  # verify and AR; AR
+                cache_dir = (cfg.get("data") or {}).get("cache_dir")
+                choices = choose_layouts(copies, widths, cached, cache_dir)
+                print("\n".join(f"linear {c.describe()}" for c in choices.values()), flush=True)
+                choices = {use: c.as_record() for use, c in choices.items()}
+            target_eval.dtypes.update(ranks.broadcast(choices))
+        for use, copy_ in copies.items():  # every rank: rank 0's verdicts
+            if copy_ is not None:
+                few_rows_products(copy_.model, target_eval.dtypes[use]["dtype"] == "transposed")
     if setting:
         compiled = compiled_decoding(
             target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
         )
     return CheckpointPlan(target_eval, decode_target, drafter, compiled, only_compiled, prompts,
                           ood, tree, max_new_tokens)  # fmt: skip
+
+
+def typical_shapes(
+    dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict]
+) -> tuple[int, int, int]:
+    """A decode's typical prompt length, cache length and verify width, as its copies are
+    timed: the median prompt, the cache halfway through max_new_tokens (multiples of 32)."""
+    lengths = sorted(len(p["input_ids"]) for p in eval_prompts) or [64]
+    prompt = max(32, 32 * round(lengths[len(lengths) // 2] / 32))
+    cached = max(32, 32 * round((prompt + dec.max_new_tokens / 2) / 32))
+    width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    return prompt, cached, width
 
 
 def decode_copy(target: Target, dtype: torch.dtype) -> Target:
@@ -225,17 +263,18 @@ def decode_copies(
     without native bf16: docs/portable.md). With decode.compile=only on a CPU the verify is
     timed compiled (with the drafter's taps, `hidden_layers`), with auto the faster of eager
     and compiled: the path the decode will take decides its dtype."""
-    lengths = sorted(len(p["input_ids"]) for p in eval_prompts) or [64]
-    prompt = max(32, 32 * round(lengths[len(lengths) // 2] / 32))
-    cached = max(32, 32 * round((prompt + dec.max_new_tokens / 2) / 32))
-    width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    prompt, cached, width = typical_shapes(dec, tree, eval_prompts)
     per = int(dec.max_new_tokens)
     path = compiled_verify_timed(dec, target.device)
     mode = str(dec.get("compile_mode", "auto"))
+    # an eager dtype at its faster linear layout (models/few_rows.py): the layout is chosen after
+    layouts = {"auto": (False, True), "transposed": (True,)}.get(dec.get("linear_layout"), ())
     choices: dict[str, DtypeChoice] = {}
     for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
         shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached,
                   "prefill": prompt, "per": per}  # fmt: skip
+        if layouts and target.device.type == "cpu":  # not the verdict of plain linears alone
+            shapes["layouts"] = ["transposed" if t else "plain" for t in layouts]
         timed = shapes | {"path": "only", "mode": mode, "taps": list(hidden_layers)}
         recorded = dtype_choice.cache_file(
             cache_dir, {**dtype_choice.machine_key(), "use": use, "shapes": timed}
@@ -247,7 +286,10 @@ def decode_copies(
         def measure(dtype, new=new, compiled=compiled):
             prefill = time_forward(target, dtype, 1, prompt, 1)
             if not compiled:
-                return time_forward(target, dtype, 1, new, cached) + prefill / per
+                step = min(
+                    time_in_layout(target, dtype, new, cached, t) for t in layouts or (False,)
+                )
+                return step + prefill / per
             step = compiled_forward_seconds(target, dtype, new, cached, hidden_layers, mode)
             return step + prefill / per
 
@@ -397,41 +439,3 @@ def compile_choice(
     if setting == "auto" and choice.dtype == "eager":  # no graphs kept for a path not used
         copies.compiled = copies.draft = copies.drafter = None
     return choice
-
-
-def compiled_forward_seconds(
-    target: Target, dtype: torch.dtype, width: int, cached: int, hidden_layers: tuple[int, ...],
-    mode: str,
-) -> float:  # fmt: skip
-    """Seconds of one forward of `width` tokens over `cached` through a throwaway compiled
-    copy of `target` in `dtype` (float32 rotary; the target is untouched): how `decode.dtype
-    =auto` times a dtype for a decode that runs compiled. The eager timing does not predict it:
-    on a CPU with AVX2 only the eager verify was faster in bf16 while the compiled float32 AR
-    step ran about 1.6x the compiled bf16 one (two evaluations, docs/portable.md)."""
-    copy_ = Target(cast_keep_rotary(copy.deepcopy(target.model), dtype), target.tokenizer,
-                   name=target.name)  # fmt: skip
-    compiled = CompiledTarget(copy_, cached + width, (width,), hidden_layers, mode=mode)
-    compiled.warmup()
-    return forward_seconds(compiled, width, cached, hidden_layers)
-
-
-@torch.inference_mode()
-def forward_seconds(
-    target: Target | CompiledTarget, width: int, cached: int, hidden_layers: tuple[int, ...],
-    repeats: int = 5,
-) -> float:  # fmt: skip
-    """Median seconds of one forward of `width` tokens (and the taps a drafter reads) over a
-    cache of `cached` tokens, through `target` as decoding calls it, after one warm-up."""
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, target.vocab_size, (1, cached), generator=g).to(target.device)
-    step = torch.randint(0, target.vocab_size, (1, width), generator=g).to(target.device)
-    cache = target(prefix, hidden_layers=hidden_layers).cache
-    times = []
-    for _ in range(repeats + 1):  # the first is the warm-up
-        sync(target.device)
-        t0 = time.perf_counter()
-        target(step, cache=cache, hidden_layers=hidden_layers)
-        sync(target.device)
-        times.append(time.perf_counter() - t0)
-        cache.crop(-width)  # back to `cached` entries
-    return statistics.median(times[1:])

@@ -45,6 +45,7 @@ from decoding.metrics import (
     summarize,
     with_ar,
 )
+from models.few_rows import few_rows_products
 from models.target import Target
 from train.eval_plan import DecodeCopies, plan_checkpoint
 from train.ranks import Ranks
@@ -182,6 +183,9 @@ def evaluate_checkpoint(
         result["compiled_graphs"] = STATS.graphs - graphs
         # CUDA-graph recordings; None where this torch does not announce them
         result["compiled_cudagraphs"] = STATS.cudagraphs - recorded if counts_recordings() else None
+    for copy_ in (target_eval.target, target_eval.baseline):  # the plan's layout, for decoding
+        if copy_ is not None:  # alone: the target goes on training as it came
+            few_rows_products(copy_.model, False)
     return result, target_eval
 
 

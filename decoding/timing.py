@@ -1,0 +1,53 @@
+"""Seconds of one forward through a target as decoding calls it, eager or compiled: what the
+evaluation plan (train/eval_plan.py) weighs its dtype and path verdicts by."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from decoding.compiled import CompiledTarget
+from decoding.rounds import sync
+from models.dtypes import cast_keep_rotary
+from models.target import Target
+
+
+def compiled_forward_seconds(
+    target: Target, dtype: torch.dtype, width: int, cached: int, hidden_layers: tuple[int, ...],
+    mode: str,
+) -> float:  # fmt: skip
+    """Seconds of one forward of `width` tokens over `cached` through a throwaway compiled
+    copy of `target` in `dtype` (float32 rotary; the target is untouched): how `decode.dtype
+    =auto` times a dtype for a decode that runs compiled. The eager timing does not predict it:
+    on a CPU with AVX2 only the eager verify was faster in bf16 while the compiled float32 AR
+    step ran about 1.6x the compiled bf16 one (two evaluations, docs/portable.md)."""
+    copy_ = Target(cast_keep_rotary(copy.deepcopy(target.model), dtype), target.tokenizer,
+                   name=target.name)  # fmt: skip
+    compiled = CompiledTarget(copy_, cached + width, (width,), hidden_layers, mode=mode)
+    compiled.warmup()
+    return forward_seconds(compiled, width, cached, hidden_layers)
+
+
+@torch.inference_mode()
+def forward_seconds(
+    target: Target | CompiledTarget, width: int, cached: int, hidden_layers: tuple[int, ...],
+    repeats: int = 5,
+) -> float:  # fmt: skip
+    """Median seconds of one forward of `width` tokens (and the taps a drafter reads) over a
+    cache of `cached` tokens, through `target` as decoding calls it, after one warm-up."""
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (1, cached), generator=g).to(target.device)
+    step = torch.randint(0, target.vocab_size, (1, width), generator=g).to(target.device)
+    cache = target(prefix, hidden_layers=hidden_layers).cache
+    times = []
+    for _ in range(repeats + 1):  # the first is the warm-up
+        sync(target.device)
+        t0 = time.perf_counter()
+        target(step, cache=cache, hidden_layers=hidden_layers)
+        sync(target.device)
+        times.append(time.perf_counter() - t0)
+        cache.crop(-width)  # back to `cached` entries
+    return statistics.median(times[1:])
