@@ -40,6 +40,11 @@ from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 
 CANDIDATES = ("float32", "bfloat16")
+# A candidate one of whose timed calls takes over LOSING x the best median measured so far cannot
+# win: its timing stops at that call, which is its recorded time (bf16 on a CPU without native
+# bf16 kernels: a training probe at 4-5 s a call against under 1 s in float32).
+LOSING = 2.0
+_lost_above = [float("inf")]  # seconds; set by choose_measured while it times a candidate
 PROBE_TOKENS = 256  # tokens of the target's probe forward (a training row's scale of GEMM)
 
 
@@ -138,7 +143,13 @@ def choose_measured(
     if path.is_file():
         cached = json.loads(path.read_text())
         return DtypeChoice(use, cached["dtype"], "cached", cached["seconds"], shapes)
-    seconds = {name: measure(name) for name in candidates}
+    seconds: dict[str, float] = {}
+    for name in candidates:
+        _lost_above[0] = LOSING * min(seconds.values(), default=float("inf"))
+        try:
+            seconds[name] = measure(name)
+        finally:
+            _lost_above[0] = float("inf")
     choice = DtypeChoice(use, pick_fastest(seconds), "measured", seconds, shapes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
@@ -156,7 +167,8 @@ def time_forward(
     The cache is filled once from one row, without logits, and repeated to `rows` rows (a
     many-row prefill with its [rows, cached, V] head output, in bf16 on a CPU without native
     bf16, would cost far more than every timed forward together); it is cropped back after
-    each timed forward. Timing depends on the cache's size, not its contents."""
+    each timed forward. Timing depends on the cache's size, not its contents. While
+    choose_measured times a losing candidate, the first timed call past its bound is returned."""
     model = (
         target.model
         if target.dtype == dtype
@@ -175,17 +187,22 @@ def time_forward(
         probe(step, cache=cache, use_cache=True)
         times.append(time.perf_counter() - t0)
         cache.crop(-new_tokens)  # back to `cached` entries
+        if len(times) > 1 and times[-1] > _lost_above[0]:
+            return times[-1]  # this candidate has lost (choose_measured)
     return statistics.median(times[1:])
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-    """Median wall time of `fn` over `repeats` calls after one warm-up call."""
+    """Median wall time of `fn` over `repeats` calls after one warm-up call (or the first call
+    past the losing bound, while choose_measured times a candidate)."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        if times[-1] > _lost_above[0]:
+            return times[-1]  # this candidate has lost (choose_measured)
     return statistics.median(times)
 
 

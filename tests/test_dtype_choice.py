@@ -90,3 +90,31 @@ def test_time_forward_measures_a_cached_forward_and_leaves_the_target_alone():
     assert target.dtype == torch.float32
     after = target.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_losing_candidate_stops_at_its_first_call_past_twice_the_best(tmp_path, monkeypatch):
+    """Candidates are timed in order; once one has a median, a later candidate's timing stops
+    at its first timed call over LOSING x that median (its recorded time): bf16 at 4 s a call
+    against float32's 1 s runs the warm-up and one timed call, not the warm-up and three. A
+    candidate within the bound is timed in full, and the bound is gone after the choice."""
+    clock = [0.0]
+    monkeypatch.setattr(dc.time, "perf_counter", lambda: clock[0])
+    calls = {"float32": 0, "bfloat16": 0}
+
+    def timed(name: str, seconds: float) -> float:
+        def call() -> None:
+            calls[name] += 1
+            clock[0] += seconds
+
+        return dc.median_seconds(call)
+
+    slow = {"float32": 1.0, "bfloat16": 4.0}
+    choice = dc.choose_measured("probe", {"n": 1}, lambda n: timed(n, slow[n]), tmp_path)
+    assert choice.dtype == "float32" and choice.seconds == {"float32": 1.0, "bfloat16": 4.0}
+    assert calls == {"float32": 4, "bfloat16": 2}
+    close = {"float32": 1.0, "bfloat16": 1.5}  # within 2x: every call
+    calls.update(float32=0, bfloat16=0)
+    dc.choose_measured("probe", {"n": 2}, lambda n: timed(n, close[n]), tmp_path)
+    assert calls == {"float32": 4, "bfloat16": 4}
+    calls.update(float32=0)
+    assert timed("float32", 10.0) == 10.0 and calls["float32"] == 4  # no bound outside a choice
