@@ -182,7 +182,7 @@ def plan_checkpoint(
             choices = None
             if ranks.main:
                 _, cached, width = typical_shapes(dec, tree, eval_prompts)
-                widths = {"layout": (width, 1), "layout_ar": (1,)}  # verify and AR; AR
+                widths = {"layout": (width, 1), "layout_ar": (1,)}  # verify + AR step; AR step
                 cache_dir = (cfg.get("data") or {}).get("cache_dir")
                 choices = choose_layouts(copies, widths, cached, cache_dir)
                 print("\n".join(f"linear {c.describe()}" for c in choices.values()), flush=True)
@@ -267,7 +267,8 @@ def decode_copies(
     per = int(dec.max_new_tokens)
     path = compiled_verify_timed(dec, target.device)
     mode = str(dec.get("compile_mode", "auto"))
-    # an eager dtype at its faster linear layout (models/few_rows.py): the layout is chosen after
+    # each eager dtype timed at its faster linear layout (models/few_rows.py); plan_checkpoint
+    # then records the layout of the dtype chosen
     layouts = {"auto": (False, True), "transposed": (True,)}.get(dec.get("linear_layout"), ())
     choices: dict[str, DtypeChoice] = {}
     for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
