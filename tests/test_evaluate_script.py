@@ -114,23 +114,26 @@ def test_compile_overrides_add_the_compiled_path(run_dir):
 
 
 def test_jsonl_prompts_are_rendered_like_the_eval_prompts(run_dir, tmp_path):
-    """The run's eval prompts, given as a jsonl of their user text, decode exactly as the
-    run's own evaluation of them did: same chat template, same generation prompt."""
+    """The run's decoded eval prompts (decode.num_prompts of them, spread over the eval
+    split), given as a jsonl of their user text, decode exactly as the run's own evaluation
+    of them did: same chat template, same generation prompt."""
     from models.target_loaders import build_tiny_random
     from train.data.prepare import prepare_data
-    from train.data.prompt_file import load_prompt_file
+    from train.data.prompt_file import load_prompt_file, spread
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
     assert cfg.target._target_ == "models.target_loaders.build_tiny_random" and cfg.target.seed == 0
     data = OmegaConf.to_container(cfg.data, resolve=True)
     prepared = prepare_data(build_tiny_random(seed=0, device="cpu"), **data)
-    users = [p["messages"] for p in prepared.eval_prompts[:3]]
+    decoded = spread(prepared.eval_prompts, cfg.decode.num_prompts)  # those the run decoded
+    assert len(prepared.eval_prompts) > len(decoded) == 3
+    users = [p["messages"] for p in decoded]
     assert all(len(m) == 1 and m[0]["role"] == "user" for m in users)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": m[0]["content"]}) + "\n" for m in users))
 
     rendered = load_prompt_file(prompts, build_tiny_random(seed=0, device="cpu").tokenizer, None)
-    assert [p["input_ids"] for p in rendered] == [p["input_ids"] for p in prepared.eval_prompts[:3]]
+    assert [p["input_ids"] for p in rendered] == [p["input_ids"] for p in decoded]
 
     final = json.loads((run_dir / "summary.json").read_text())["final_eval"]
     from_file = ev.main([str(run_dir), "--prompts", str(prompts)])

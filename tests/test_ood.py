@@ -109,3 +109,33 @@ def test_ood_num_prompts_takes_prompts_spread_over_the_file(tmp_path, tiny, monk
     result, _ = evaluate_checkpoint(tiny, draft, in_domain, cfg, None)
     assert result["ood_num_prompts"] == 2
     assert decoded == [ood[0]["input_ids"], ood[2]["input_ids"]]
+
+
+def test_num_prompts_takes_eval_prompts_spread_over_their_categories(tiny, monkeypatch):
+    """decode.num_prompts=3 of 6 eval prompts in category blocks (as train/data/corpus.py
+    gives them: code, then prose, then qa) decodes prompts 0, 2 and 4, one of each category,
+    and the context check before training looks at those same prompts."""
+    import train.evaluate
+    from train.settings import check_decode_context
+
+    decoded = []
+    real = train.evaluate.decode_prompts
+
+    def recording(target, drafter, prompts, mine, **kw):
+        decoded.extend(prompts[i][0].tolist() for i in mine)
+        return real(target, drafter, prompts, mine, **kw)
+
+    monkeypatch.setattr(train.evaluate, "decode_prompts", recording)
+    draft = eagle.from_target(tiny, None, vocab_size="full", ttt_steps=2)
+    eval_prompts = [{"input_ids": list(range(3 + i, 8 + i))} for i in range(6)]
+    cfg = _cfg(None, (0.0,))
+    cfg.decode.num_prompts = 3
+    result, _ = evaluate_checkpoint(tiny, draft, eval_prompts, cfg, None)
+    chosen = [eval_prompts[i]["input_ids"] for i in (0, 2, 4)]
+    assert result["num_prompts"] == 3 and decoded == chosen
+    # the longest of the chosen prompts is checked: prompt 5 (the longest of all) is not one
+    eval_prompts[5]["input_ids"] = list(range(3, 3 + tiny.context_length))
+    check_decode_context(tiny, cfg.decode, eval_prompts)
+    eval_prompts[4]["input_ids"] = eval_prompts[5]["input_ids"]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        check_decode_context(tiny, cfg.decode, eval_prompts)

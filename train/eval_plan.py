@@ -56,7 +56,7 @@ from models.dtype_choice import DtypeChoice, choose_dtype, choose_measured, time
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.few_rows import choose_layouts, few_rows_products, time_in_layout
 from models.target import Target
-from train.data.prompt_file import ood_prompts
+from train.data.prompt_file import ood_prompts, spread
 from train.ranks import Ranks
 from train.step_stats import decode_samplings
 
@@ -136,16 +136,13 @@ def plan_checkpoint(
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = draft_eval.decoding_target(target_eval.target)
     drafter = with_lookup(make_drafter(draft_eval, decode_target), dec.get("lookup_min_match", 0))
-    num = dec.get("num_prompts") or len(eval_prompts)
-    prompts = [
-        torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in eval_prompts[:num]
-    ]
+    chosen = spread(eval_prompts, dec.get("num_prompts"))  # over the categories' blocks
+    prompts = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in chosen]
     # decode.ood_prompts: kinds the training data has none of, decoded for tau alone
     ood = ood_prompts(
         dec.get("ood_prompts"), target.tokenizer, (cfg.get("data") or {}).get("chat_template")
     )
-    ood_num = min(dec.get("ood_num_prompts") or num, len(ood))  # spread over the file's kinds
-    ood = [ood[i * len(ood) // ood_num] for i in range(ood_num)]
+    ood = spread(ood, dec.get("ood_num_prompts") or len(prompts))  # over the file's kinds
     ood = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in ood]
     max_new_tokens = int(dec.get("max_new_tokens", 64))
     samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling

@@ -25,6 +25,7 @@ from decoding.tree import TreeSpec
 from decoding.verify import check_sampling
 from models.dtypes import resolve_dtype
 from models.target import Target
+from train.data.prompt_file import spread
 from train.data.regen_openai import check_backend_settings
 from train.data.sources import check_source
 from train.formats.init_from import detect_format
@@ -197,7 +198,7 @@ def check_replay(replay: DictConfig) -> None:
 def check_decode_context(target: Target, dec: DictConfig, eval_prompts: list[dict]) -> None:
     """After the target and the data are loaded, before any training: the longest prompt the
     evaluation decodes plus decode.max_new_tokens must fit the target's context window."""
-    prompts = eval_prompts[: dec.get("num_prompts") or len(eval_prompts)]
+    prompts = spread(eval_prompts, dec.get("num_prompts"))  # those train/eval_plan.py decodes
     if not prompts:
         return
     longest, new = max(len(p["input_ids"]) for p in prompts), int(dec.max_new_tokens)

@@ -20,6 +20,15 @@ from train.data.chat import resolve_chat_template, tokenize_conversation
 BUILTIN_OOD = Path(__file__).with_name("ood_prompts.jsonl")
 
 
+def spread(prompts: list, num: int | None) -> list:
+    """`num` of `prompts` (None or more than there are: all) spread evenly over the list, in
+    its order: eval prompts and the builtin OOD file come in blocks of one kind, so their first
+    `num` would be the first kinds alone."""
+    if not num or num >= len(prompts):
+        return list(prompts)
+    return [prompts[i * len(prompts) // num] for i in range(num)]
+
+
 def load_prompt_file(
     path: Path,
     tokenizer: PreTrainedTokenizerBase,
