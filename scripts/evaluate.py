@@ -77,7 +77,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from models.target import Target
 from train.checkpoint import PREFIX, latest_checkpoint, load_draft
 from train.data.prepare import prepare_data
-from train.data.prompt_file import load_prompt_file
+from train.data.prompt_file import load_prompt_file, spread
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.formats.export import checkpoint_config, load_target
 from train.formats.init_from import detect_format, init_draft_from
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         draft = load_draft(ckpt, target).eval()
     dec = cfg.decode
-    num = min(int(dec.get("num_prompts") or len(eval_prompts)), len(eval_prompts))
+    num = len(spread(eval_prompts, dec.get("num_prompts")))  # those train/eval_plan.py decodes
     tree = dec.get("tree")
     shape = f"{tree.kind} tree" if tree is not None else f"chain k={dec.k}"
     progress(
