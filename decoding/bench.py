@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from decoding.compiled import STATS, CompiledTarget, resolve_mode
+from decoding.compiled import CompiledTarget
 from decoding.drafter import Drafter, Sampling
 from decoding.drafters import make_drafter
 from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.ngram import NgramDrafter
+from decoding.inductor import STATS, resolve_mode
 from decoding.metrics import greedy_match
 from decoding.spec import generate
 from decoding.tree import TreeSpec

@@ -16,19 +16,38 @@ from models.target import Target
 
 
 def compiled_forward_seconds(
-    target: Target, dtype: torch.dtype, width: int, cached: int, hidden_layers: tuple[int, ...],
-    mode: str,
-) -> float:  # fmt: skip
+    target: Target, dtype: torch.dtype, width: int, cached: int, mode: str, layers: int = 2
+) -> float:
     """Seconds of one forward of `width` tokens over `cached` through a throwaway compiled
-    copy of `target` in `dtype` (float32 rotary; the target is untouched): how `decode.dtype
-    =auto` times a dtype for a decode that runs compiled. The eager timing does not predict it:
-    on a CPU with AVX2 only the eager verify was faster in bf16 while the compiled float32 AR
-    step ran about 1.6x the compiled bf16 one (two evaluations, docs/portable.md)."""
-    copy_ = Target(cast_keep_rotary(copy.deepcopy(target.model), dtype), target.tokenizer,
-                   name=target.name)  # fmt: skip
-    compiled = CompiledTarget(copy_, cached + width, (width,), hidden_layers, mode=mode)
+    copy of `target`'s first `layers` layers (embedding, final norm and head included) in
+    `dtype` (float32 rotary; the target is untouched), times num_layers / layers: how
+    `decode.dtype=auto` compares dtypes for a decode that runs compiled, by proxy. The eager
+    timing does not predict it (on a CPU with AVX2 only the eager verify was faster in bf16
+    while the compiled float32 AR step ran about 1.6x the compiled bf16 one, two evaluations,
+    docs/portable.md), and compiling the whole target in every dtype costs minutes each
+    (docs/fastpath.md, "Compile modes"): the proxy compiles a fifteenth of it."""
+    copy_ = Target(cast_keep_rotary(first_layers(target.model, layers), dtype),
+                   target.tokenizer, name=target.name, check_head=False)  # fmt: skip
+    compiled = CompiledTarget(copy_, cached + width, (width,), (), mode=mode)
     compiled.warmup()
-    return forward_seconds(compiled, width, cached, hidden_layers)
+    return forward_seconds(compiled, width, cached, ()) * target.num_layers / copy_.num_layers
+
+
+def first_layers(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """A deep copy of an HF causal LM keeping its first `layers` decoder layers (config
+    updated); `model` is left as it was, and only the kept layers are copied."""
+    decoder = model.model
+    kept = min(layers, len(decoder.layers))
+    all_layers = decoder.layers
+    decoder.layers = torch.nn.ModuleList(all_layers[:kept])
+    try:
+        copy_ = copy.deepcopy(model)
+    finally:
+        decoder.layers = all_layers
+    copy_.config.num_hidden_layers = kept
+    if getattr(copy_.config, "layer_types", None):  # per-layer attention kinds (Gemma 3)
+        copy_.config.layer_types = copy_.config.layer_types[:kept]
+    return copy_
 
 
 @torch.inference_mode()

@@ -78,11 +78,11 @@ from decoding.bench import (
     summarize,
     truncated_draft,
 )
-from decoding.compiled import MODES, STATS
 from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.ngram import NgramDrafter
+from decoding.inductor import MODES, STATS
 from decoding.rounds import sync
 from decoding.tree import TreeSpec
 from models import eagle, medusa

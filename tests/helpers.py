@@ -221,3 +221,11 @@ def openai_row(i: int, answer: str | None) -> dict:
     """An OpenAI-messages row asking "question i?", answered unless `answer` is None."""
     turns = [{"role": "user", "content": f"question {i}?"}]
     return {"messages": turns + ([{"role": "assistant", "content": answer}] if answer else [])}
+
+
+# Key endings of an evaluation record that are wall-clock figures (tokens/s, speedups against
+# each AR, per-round ms, time shares, the loop's efficiency) or timed verdicts (the ARs' and
+# the copies' dtypes), and the seconds of a run: they differ between any two evaluations;
+# every other metric must not.
+TIMING = ("tokens_per_s", "speedup", "_ratio", "_ms", "_share", "_ar", "_ar_dtype",
+          "_efficiency", "dtypes", "eval_s", "train_s")  # fmt: skip

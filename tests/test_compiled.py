@@ -14,10 +14,11 @@ import torch
 from omegaconf import OmegaConf
 
 import decoding.metrics
-from decoding.compiled import STATS, CachedStep, Compiled, CompiledTarget, counts_recordings
+from decoding.compiled import CachedStep, CompiledTarget
 from decoding.drafters import make_drafter
 from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.ngram import NgramDrafter
+from decoding.inductor import STATS, Compiled, counts_recordings
 from decoding.spec import generate
 from decoding.tree import TreeSpec, compact_cache, tree_attention_mask
 from decoding.verify import node_depths
@@ -273,17 +274,19 @@ def eval_cfg(**decode) -> OmegaConf:
 
 
 def test_evaluate_checkpoint_keeps_the_graphs_between_checkpoints(target, monkeypatch):
-    """decode.compile=true reports the compiled path beside the eager one. The second
-    checkpoint compiles nothing (the kept draft copy takes the new weights in place) and still
-    decodes with the NEW weights: a perfect draft after a random one gives the eager τ. The
-    compiled pass records no target entropy (only COMPILED_KEYS are reported)."""
+    """decode.compile=true decodes the compiled path as the evaluation and the eager
+    speculative decode beside it (`tau_eager_spec`). The second checkpoint compiles nothing
+    (the kept draft copy takes the new weights in place) and still decodes with the NEW
+    weights: a perfect draft after a random one gives the eager τ. Only the compiled spec
+    decode is probed for the target's entropy."""
     probes = {"eager": [], "compiled": []}  # what evaluate handed generate, per path
     real_generate = decoding.metrics.generate
 
-    def recording_generate(decode_target, *args, probe=None, **kwargs):
+    def recording_generate(decode_target, prompt, drafter, *args, probe=None, **kwargs):
         path = "compiled" if isinstance(decode_target, CompiledTarget) else "eager"
-        probes[path].append(probe)
-        return real_generate(decode_target, *args, probe=probe, **kwargs)
+        if drafter is not None:
+            probes[path].append(probe)
+        return real_generate(decode_target, prompt, drafter, *args, probe=probe, **kwargs)
 
     monkeypatch.setattr(decoding.metrics, "generate", recording_generate)
     cfg = eval_cfg()
@@ -291,18 +294,18 @@ def test_evaluate_checkpoint_keeps_the_graphs_between_checkpoints(target, monkey
     random_draft = draft_lm.from_target(target, num_layers=2, init="random")
     perfect = draft_lm.from_target(target, num_layers=2, init="target")  # the target itself
     first, copies = evaluate_checkpoint(target, random_draft, eval_prompts, cfg, None)
-    assert first["compiled_graphs"] > 0
-    assert first["greedy/compiled_tau"] == first["greedy/tau"]
+    assert first["compiled_graphs"] > 0 and first["decode_path"] == "compiled"
+    assert first["greedy/tau_eager_spec"] == first["greedy/tau"]
     second, _ = evaluate_checkpoint(target, perfect, eval_prompts, cfg, None, copies)
     assert second["compiled_graphs"] == 0 and second["compile_s"] == 0.0
-    assert second["greedy/compiled_tau"] == second["greedy/tau"] > first["greedy/tau"] + 1
-    assert second["speedup_compiled"] == second["greedy/compiled_speedup"]
-    table = format_eval_table([first, second])  # eager and compiled speedups side by side
-    assert "| speedup vs AR |" in table and "| speedup compiled (vs compiled AR) |" in table
-    assert f"| {second['greedy/compiled_speedup']:.2f}x |" in table.splitlines()[-1]
-    assert "speedup compiled" not in format_eval_table([{"greedy/tau": 1.0}])
-    assert probes["compiled"] and all(p is None for p in probes["compiled"])
-    assert any(p is not None for p in probes["eager"])  # the eager pass keeps its probe
+    assert second["greedy/tau_eager_spec"] == second["greedy/tau"] > first["greedy/tau"] + 1
+    table = format_eval_table([first, second])
+    assert "| speedup vs the fastest AR |" in table and "| loop efficiency |" in table
+    row = f"| {second['greedy/speedup_best_ar']:.2f}x ({second['greedy/best_ar']}) |"
+    assert row in table.splitlines()[-1]
+    assert probes["eager"] and all(p is None for p in probes["eager"])
+    # the evaluation's spec decode: probed but in its warm-up prompt, at both checkpoints
+    assert [p is None for p in probes["compiled"]] == [True, False, False] * 2
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""The compiled path as evaluation's decode (train/eval_plan.py, train/evaluate.py): `decode.compile=only`
-decodes the compiled AR, the compiled speculative decode and the eager AR, and nothing else;
+"""The compiled path as evaluation's decode (train/eval_plan.py, train/eval_compile.py,
+train/evaluate.py): `decode.compile=only` decodes the eager AR, the compiled AR and the compiled
+speculative decode at every sampling, and nothing else;
 `decode.compile=auto` takes the faster of the eager and compiled verify forward on this
 machine where compiling pays, from what `only` recorded per machine. Tiny random target,
 float32, aot_eager (no code generation), timings faked where a verdict is asserted."""
@@ -15,8 +16,10 @@ import torch
 import decoding.metrics
 import models.dtype_choice
 import models.few_rows
+import train.eval_compile
 import train.eval_plan
-from decoding.compiled import CompiledTarget, counts_recordings
+from decoding.compiled import CompiledTarget
+from decoding.inductor import counts_recordings
 from models import draft_lm
 from models.target import Target
 from tests.helpers import untied_target
@@ -58,16 +61,16 @@ def eval_prompts() -> list[dict]:
 
 
 def test_compile_only_is_the_evaluation_against_both_ars(target, monkeypatch, tmp_path):
-    """decode.compile=only: per prompt the compiled AR, the compiled speculative decode and
-    the eager AR, and nothing else (no eager speculative pass); `speedup` is against the
+    """decode.compile=only: per prompt the eager AR, the compiled AR and the compiled
+    speculative decode, and nothing else (no eager speculative pass); `speedup` is against the
     compiled AR, `speedup_eager_ar` against the eager one, `speedup_best_ar` against the
-    faster of the two."""
+    faster of the two; `loop_efficiency` is the speedup over the predicted one."""
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
     result, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path, "only"), None)
     timed = calls[-6:]  # after the warm-up prompt: 2 prompts x 3 decodes
     assert sorted(set(calls)) == [("compiled", False), ("compiled", True), ("eager", False)]
-    assert timed == [("compiled", False), ("compiled", True), ("eager", False)] * 2
+    assert timed == [("eager", False), ("compiled", False), ("compiled", True)] * 2
     g = {key.removeprefix("greedy/"): v for key, v in result.items() if key.startswith("greedy/")}
     assert result["decode_path"] == "compiled" and g["greedy_match_rate"] == 1.0
     assert g["entropy_alpha"] is not None  # the compiled decode is probed like the eager one
@@ -83,6 +86,9 @@ def test_compile_only_is_the_evaluation_against_both_ars(target, monkeypatch, tm
         "compiled" if faster == g["compiled_ar_tokens_per_s"] else "eager"
     )
     assert result["speedup_eager_ar"] == g["speedup_eager_ar"]
+    assert result["speedup_best_ar"] == g["speedup_best_ar"]
+    assert g["loop_efficiency"] == pytest.approx(g["speedup"] / g["predicted_speedup"])
+    assert g["path"] == "compiled" and result["passes"] == ["ar_eager", "ar", "spec"]
 
 
 def fake_forward_seconds(monkeypatch, eager_s: float, compiled_s: float) -> list[str]:
@@ -94,7 +100,7 @@ def fake_forward_seconds(monkeypatch, eager_s: float, compiled_s: float) -> list
         asked.append(path)
         return compiled_s if path == "compiled" else eager_s
 
-    monkeypatch.setattr(train.eval_plan, "forward_seconds", fake)
+    monkeypatch.setattr(train.eval_compile, "forward_seconds", fake)
     return asked
 
 
@@ -146,7 +152,8 @@ def test_compile_auto_decodes_what_only_recorded(target, monkeypatch, tmp_path, 
     assert again["dtypes"]["compile"]["source"] == "cached" and asked == []
     assert again["dtypes"]["compile"]["dtype"] == faster
     assert {path for path, speculative in calls if speculative} == {faster}
-    assert again.get("decode_path") == ("compiled" if faster == "compiled" else None)
+    assert again["decode_path"] == faster
+    assert ("speedup_best_ar" in again) == (faster == "compiled")  # no compiled AR: absent
     assert (copies.compiled is not None) == (faster == "compiled")
 
     other = {**models.dtype_choice.machine_key(), "cpu": "another CPU"}
@@ -168,39 +175,48 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
     compiled = {torch.float32: 0.10, torch.bfloat16: 0.15}
     asked = []
 
-    def fake_compiled(target_, dtype, width, cached, hidden_layers, mode):
+    def fake_compiled(target_, dtype, width, cached, mode, layers):
         assert target_ is target and mode == "aot_eager"
-        asked.append((dtype, width, hidden_layers))
+        asked.append((dtype, width, layers))
         return compiled[dtype]
 
     monkeypatch.setattr(train.eval_plan, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
     monkeypatch.setattr(models.few_rows, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
     monkeypatch.setattr(train.eval_plan, "compiled_forward_seconds", fake_compiled)
     dec = eval_cfg(compile=path, dtype="auto").decode
-    copies = train.eval_plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path), (1, 2))
+    copies = train.eval_plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
     assert copies.dtypes["decode"]["dtype"] == want
     assert copies.dtypes["ar"]["dtype"] == "bfloat16"
-    width = int(dec.k) + 1
+    width, layers = int(dec.k) + 1, train.eval_plan.PROXY_LAYERS
     assert asked == (
-        [] if path != "only" else [(torch.float32, width, (1, 2)), (torch.bfloat16, width, (1, 2))]
+        [] if path != "only" else [(torch.float32, width, layers), (torch.bfloat16, width, layers)]
     )
     if path == "only":  # auto on this machine now reads the compiled verdict, timing nothing
         auto = eval_cfg(compile="auto", dtype="auto").decode
-        again = train.eval_plan.decode_copies(target, auto, None, eval_prompts(), str(tmp_path),
-                                              (1, 2))  # fmt: skip
+        again = train.eval_plan.decode_copies(target, auto, None, eval_prompts(), str(tmp_path))
         assert (again.dtypes["decode"]["dtype"], again.dtypes["decode"]["source"]) == (
             "float32", "cached")  # fmt: skip
         assert len(asked) == 2
 
 
-def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(target):
+def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(target, monkeypatch):
+    """The proxy compiles a copy of the first layers in the dtype asked and scales its time by
+    the target's layers over the copy's; the target keeps its layers, dtype and weights."""
+    import decoding.timing
+
     before = {n: p.clone() for n, p in target.model.state_dict().items()}
-    seconds = train.eval_plan.compiled_forward_seconds(
-        target, torch.bfloat16, 4, 8, (1,), "aot_eager"
-    )
-    assert 0 < seconds < 10
+    timed = []
+
+    def fake_forward_seconds(compiled, width, cached, hidden_layers, repeats=5):
+        timed.append((compiled.num_layers, compiled.dtype, width, cached))
+        return 0.5
+
+    monkeypatch.setattr(decoding.timing, "forward_seconds", fake_forward_seconds)
+    seconds = train.eval_plan.compiled_forward_seconds(target, torch.bfloat16, 4, 8, "aot_eager", 1)
+    assert timed == [(1, torch.bfloat16, 4, 8)]
+    assert seconds == 0.5 * target.num_layers
     after = target.model.state_dict()
-    assert target.dtype == torch.float32
+    assert target.dtype == torch.float32 and len(target.model.model.layers) == target.num_layers
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
@@ -214,7 +230,7 @@ def test_compile_auto_weighs_the_recorded_compile_seconds(target, monkeypatch, t
     evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path, "only"), None)  # records
     (cost_file,) = [f for f in (tmp_path / "dtype").glob("*.json")
                     if json.loads(f.read_text())["key"]["use"] == "compile_s"]  # fmt: skip
-    forwards = 12 * (1 + 1) * 2  # max_new_tokens x (AR + a verify per temperature) x prompts
+    forwards = 12 * 3 * 1 * 2  # max_new_tokens x (two ARs + a verify) x temperatures x prompts
     for compile_s, want in ((forwards * 0.1 + 1.0, "eager"), (forwards * 0.1 - 1.0, "compiled")):
         cost_file.write_text(json.dumps({"key": {"use": "compile_s"}, "seconds": compile_s}))
         torch._dynamo.reset()
@@ -237,44 +253,44 @@ def test_compile_auto_weighs_the_recorded_compile_seconds(target, monkeypatch, t
             assert choice["seconds"]["saved at most"] == pytest.approx(forwards * 0.1)
 
 
-def test_compile_only_decodes_every_ar_at_the_headline_sampling_alone(
-    target, monkeypatch, tmp_path
-):
-    """With two temperatures the ARs, compiled and eager, are decoded at greedy only, listed
-    second or not; the sampled row divides its tokens/s by those measurements."""
+def test_every_sampling_decodes_its_own_ars_prompt_by_prompt(target, monkeypatch, tmp_path):
+    """With two temperatures each is decoded with both ARs, compiled and eager, interleaved
+    with its speculative decode prompt by prompt (warm-up prompt first), greedy first: no
+    speedup divides by an AR decoded at another sampling or another time."""
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
     cfg = auto_cfg(tmp_path, "only")
     cfg.decode.temperatures = [0.9, 0.0]
     result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
-    # greedy first: warm-up + 2 prompts with both ARs, then T0.9's warm-up + 2 prompts alone
-    per_prompt = [("compiled", False), ("compiled", True), ("eager", False)]
-    assert calls == per_prompt * 3 + [("compiled", True)] * 3
-    for key in ("eager_ar_tokens_per_s", "compiled_ar_tokens_per_s", "ar_new_tokens"):
-        assert result[f"T0.9/{key}"] == result[f"greedy/{key}"]
-    assert result["T0.9/ar_decoded_at"] == "greedy"
-    assert result["T0.9/speedup_eager_ar"] == pytest.approx(
-        result["T0.9/tokens_per_s"] / result["greedy/eager_ar_tokens_per_s"]
-    )
-    assert result["T0.9/speedup"] == pytest.approx(
-        result["T0.9/tokens_per_s"] / result["greedy/compiled_ar_tokens_per_s"]
-    )
-    assert result["T0.9/greedy_match_rate"] is None
+    per_prompt = [("eager", False), ("compiled", False), ("compiled", True)]
+    assert calls == per_prompt * 3 * 2  # (warm-up + 2 prompts) x 2 samplings
+    for tag in ("greedy", "T0.9"):
+        for ar in ("eager_ar", "compiled_ar"):
+            assert result[f"{tag}/speedup_{ar}"] == pytest.approx(
+                result[f"{tag}/tokens_per_s"] / result[f"{tag}/{ar}_tokens_per_s"]
+            )
+    assert result["T0.9/compiled_ar_tokens_per_s"] != result["greedy/compiled_ar_tokens_per_s"]
+    assert result["T0.9/greedy_match_rate"] is None and result["greedy/greedy_match_rate"] == 1.0
 
 
-def test_eager_path_decodes_the_ar_at_the_headline_sampling_alone(target, monkeypatch):
-    """The eager evaluation the same: the AR once, at greedy, and the sampled row's speedup
-    against it; greedy keeps its greedy match (its AR is its own)."""
+def test_eager_path_decodes_an_ar_at_every_sampling(target, monkeypatch):
+    """The eager evaluation the same, its AR at each sampling; without a compiled AR there is
+    no speedup against the fastest AR (the key is absent; the table says so) and the eager
+    ratio has its own name."""
+    from train.evaluate import format_eval_table
+
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
     cfg = eval_cfg(compile=False, temperatures=[0.9, 0.0])
     result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
-    assert calls == [("eager", False), ("eager", True)] * 3 + [("eager", True)] * 3
-    assert result["T0.9/ar_tokens_per_s"] == result["greedy/ar_tokens_per_s"]
+    assert calls == [("eager", False), ("eager", True)] * 3 * 2
     assert result["T0.9/speedup"] == pytest.approx(
-        result["T0.9/tokens_per_s"] / result["greedy/ar_tokens_per_s"]
+        result["T0.9/tokens_per_s"] / result["T0.9/ar_tokens_per_s"]
     )
+    assert result["speedup_eager_ar"] == result["greedy/speedup"]
+    assert "speedup_best_ar" not in result and "greedy/speedup_best_ar" not in result
     assert result["greedy/greedy_match_rate"] == 1.0
+    assert "compiled AR was not decoded" in format_eval_table([result])
 
 
 def test_compile_cache_is_kept_under_the_cache_root_unless_the_user_set_one(tmp_path, monkeypatch):
@@ -282,7 +298,7 @@ def test_compile_cache_is_kept_under_the_cache_root_unless_the_user_set_one(tmp_
     default (which importing parts of torch sets); a directory the user set stays."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from decoding.compiled import use_compile_cache
+    from decoding.inductor import use_compile_cache
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert use_compile_cache(str(tmp_path)) == str(tmp_path / "inductor")

@@ -15,6 +15,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
+from tests.helpers import TIMING
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
 ev = importlib.util.module_from_spec(spec)
@@ -28,19 +30,6 @@ DECODE = [
     "decode.k=3",
     "decode.seed=5",
 ]
-# Wall-clock figures (tokens/s, speedups, per-round ms, time shares) differ between any two
-# evaluations; every other metric must not.
-TIMING = (
-    "tokens_per_s",
-    "speedup",
-    "_ratio",
-    "_ms",
-    "_share",
-    "_best_ar",
-    "best_ar_dtype",
-    "dtypes",
-    "eval_s",
-)  # dtypes and the fastest AR's dtype: timed; eval_s: the run's own evaluation seconds
 
 
 @pytest.fixture(scope="module")
@@ -99,18 +88,21 @@ def test_overrides_reach_the_decoder(run_dir):
 
 
 def test_compile_overrides_add_the_compiled_path(run_dir):
-    """decode.compile=true decodes through the compiled path too (docs/fastpath.md): its keys
-    beside the eager ones, the same tokens in fp32; a bad compile_mode is refused at start-up."""
+    """decode.compile=true decodes through the compiled path and the eager one beside it
+    (docs/fastpath.md): the same tokens in fp32, the speedup against the fastest AR; a bad
+    compile_mode is refused at start-up."""
     args = [str(run_dir), "decode.temperatures=[0]", "decode.num_prompts=2",
             "decode.max_new_tokens=6", "decode.dtype=fp32", "decode.compile=true",
             "decode.compile_mode=aot_eager"]  # fmt: skip
     result = ev.main(args)
-    assert result["greedy/compiled_tau"] == result["greedy/tau"]
+    assert result["greedy/tau_eager_spec"] == result["greedy/tau"]
+    assert result["decode_path"] == "compiled" and result["greedy/greedy_match_rate"] == 1.0
     assert result["compiled_graphs"] > 0 and result["compile_s"] > 0
-    assert result["speedup_compiled"] == result["greedy/compiled_speedup"]
+    assert result["speedup_best_ar"] == result["greedy/speedup_best_ar"]
     with pytest.raises(ValueError, match="decode.compile_mode"):
         ev.main([*args[:-1], "decode.compile_mode=fastest"])
-    assert "speedup_compiled" not in ev.main(args[:-2])  # without decode.compile: eager only
+    eager = ev.main(args[:-2])  # without decode.compile: eager only, no fastest-AR ratio
+    assert eager["decode_path"] == "eager" and "speedup_best_ar" not in eager
 
 
 def test_jsonl_prompts_are_rendered_like_the_eval_prompts(run_dir, tmp_path):

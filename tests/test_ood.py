@@ -80,9 +80,11 @@ def test_ood_tau_is_the_tau_of_the_same_decode_on_those_prompts(tmp_path, tiny, 
     ood_alpha = " ".join("-" if a is None else f"{a:.2f}" for a in result[f"ood/{headline}/alpha"])
     assert result["ood/tau_ratio"] == pytest.approx(result["ood/tau"] / result["tau"])
     # the console's table: a row per sampling and one OOD row below the headline, no speeds
-    rows = format_eval_table([result]).splitlines()[2:]
+    table = format_eval_table([result]).splitlines()
+    assert table[-1].startswith("The compiled AR was not decoded")  # decode.compile=false
+    rows = table[2:-1]
     assert [row.split(" | ")[1] for row in rows] == [headline, f"ood/{headline}", *tags[1:]]
-    assert rows[1].endswith(f"| {result['ood/tau']:.3f} | {ood_alpha} | - | - | - | - |")
+    assert rows[1].endswith(f"| {result['ood/tau']:.3f} | - | {ood_alpha} |" + " - |" * 6)
 
 
 def test_ood_num_prompts_takes_prompts_spread_over_the_file(tmp_path, tiny, monkeypatch):
@@ -121,9 +123,9 @@ def test_num_prompts_takes_eval_prompts_spread_over_their_categories(tiny, monke
     decoded = []
     real = train.evaluate.decode_prompts
 
-    def recording(target, drafter, prompts, mine, **kw):
+    def recording(passes, prompts, mine, **kw):
         decoded.extend(prompts[i][0].tolist() for i in mine)
-        return real(target, drafter, prompts, mine, **kw)
+        return real(passes, prompts, mine, **kw)
 
     monkeypatch.setattr(train.evaluate, "decode_prompts", recording)
     draft = eagle.from_target(tiny, None, vocab_size="full", ttt_steps=2)
@@ -139,3 +141,32 @@ def test_num_prompts_takes_eval_prompts_spread_over_their_categories(tiny, monke
     eval_prompts[4]["input_ids"] = eval_prompts[5]["input_ids"]
     with pytest.raises(ValueError, match="max_new_tokens"):
         check_decode_context(tiny, cfg.decode, eval_prompts)
+
+
+def test_tau_head_is_the_tau_of_the_same_decode_without_prompt_lookup(tmp_path, tiny):
+    """With prompt lookup on, every sampling also decodes the trained drafter alone ("head",
+    interleaved with the rest): `tau_head` equals the tau an evaluation with lookup off
+    reports, in domain and out of domain (`ood/<tag>/tau_head`), and the OOD decode records
+    its lookup share."""
+    draft = eagle.from_target(tiny, None, vocab_size="full", ttt_steps=2)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    path = tmp_path / "ood.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a b a b a", "why why"]))
+    in_domain = [{"input_ids": [3, 4, 5, 3, 4, 5, 3, 4]}, {"input_ids": [7, 8, 9, 7, 8]}]
+    cfg = _cfg(str(path), (0.0, 0.9))
+    cfg.decode.lookup_min_match = 2
+    looked, _ = evaluate_checkpoint(tiny, draft, in_domain, cfg, None)
+    cfg.decode.lookup_min_match = 0
+    alone, _ = evaluate_checkpoint(tiny, draft, in_domain, cfg, None)
+    assert looked["passes"][-2:] == ["spec", "head"] and "head" not in alone["passes"]
+    for tag in ("greedy", "T0.9"):
+        assert looked[f"{tag}/tau_head"] == alone[f"{tag}/tau"]
+        assert looked[f"{tag}/alpha_head"] == alone[f"{tag}/alpha"]
+        assert 0 < looked[f"{tag}/lookup_share"] <= 1 and f"{tag}/tau_head" not in alone
+    assert looked["tau_head"] == looked["greedy/tau_head"]
+    assert looked["ood/greedy/tau_head"] == alone["ood/greedy/tau"]
+    assert 0 <= looked["ood/greedy/lookup_share"] <= 1

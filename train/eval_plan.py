@@ -6,27 +6,31 @@ records each (summary.json `dtypes`):
 1. **Dtypes** (`decode.dtype`, at a run's first evaluation): the frozen target in the dtype
    whose decode costs least per token on this machine (`decode_copies`: one forward of the
    verify's width over a typical cache plus the prompt's prefill spread over the new tokens;
-   timed on the path the decode will take: compiled where `decode.compile=only` on a CPU,
-   and with auto where `only` recorded it, since the eager verdict does not predict the
-   compiled one), and in the dtype of the
-   machine's fastest eager AR when that is another (the baseline of `speedup_best_ar`). The
-   draft copy's dtype (`decode.draft_dtype`): the faster per verify round beside that target.
-   Verdicts are measured once per machine and cached (models/dtype_choice.py); the copies keep
-   float32 rotary frequencies (models.dtypes.cast_keep_rotary: a bare `.to(bfloat16)` rounds
+   timed on the path the decode will take: compiled where the compiled path is the
+   evaluation on a CPU, by a compiled copy of the first layers, and with auto where `only`
+   recorded it, since the eager verdict does not predict the compiled one), and in the dtype
+   of the machine's fastest eager AR when that is another. The draft copy's dtype
+   (`decode.draft_dtype`): the faster per verify round beside that target. Verdicts are
+   measured once per machine and cached (models/dtype_choice.py); the copies keep float32
+   rotary frequencies (models.dtypes.cast_keep_rotary: a bare `.to(bfloat16)` rounds
    inv_freq and decodes another target than the one trained on).
-2. **Path** (`decode.compile`): false = eager; only = the compiled decode is the evaluation;
-   true = both, the compiled one's keys beside the eager ones; auto = the faster verify
-   forward, compiled or eager, where compiling is repaid within this evaluation
-   (`compile_choice`: the recorded compile seconds weighed against what its forwards can
-   save; a CPU without a record decodes eagerly, `only` records). The compiled target and a draft copy
-   with its drafter are built at a run's first evaluation and kept (`DecodeCopies`): later
-   checkpoints copy their weights into that copy in place, so no graph is compiled again.
-   On an eager CPU decode, each copy's linear layers then take the faster layout for the few
-   rows they multiply (models/few_rows.py: F.linear or W @ x^T), measured once per machine.
-3. **Baselines**: the AR in the decode dtype and, where the fastest eager AR runs in another
-   dtype, that one too (`decode.same_dtype_ar=false`: that one only); with the compiled path
-   the compiled AR and the eager AR in its fastest dtype. Decoded at the headline sampling
-   only (train/evaluate.py).
+2. **Path** (`decode.compile`, train/eval_compile.py): false = eager; only = the compiled
+   decode is the evaluation; true = that, and the eager speculative decode beside it; auto =
+   the faster verify forward, compiled or eager, where compiling is repaid within this
+   evaluation (`compile_choice`; a CPU without a record decodes eagerly, `only` records). The
+   compiled target and a draft copy with its drafter are built at a run's first evaluation
+   and kept (`DecodeCopies`): later checkpoints copy their weights into that copy in place,
+   so no graph is compiled again. On a CPU each eager copy's linear layers take the faster
+   layout for the few rows they multiply (models/few_rows.py: F.linear or W @ x^T), measured
+   once per machine.
+3. **Passes** (decoding.metrics.Pass), decoded at every sampling, interleaved prompt by
+   prompt: the speculative decode ("spec"); the trained drafter alone where prompt lookup
+   drafts too ("head"); the AR on the spec decode's path and dtype ("ar": the compiled AR on
+   the compiled path) and the eager AR in its fastest dtype ("ar_eager", where "ar" is not
+   it; decode.same_dtype_ar=false on the eager path: that one only); with compile=true the
+   eager speculative decode ("eager_spec"). The out-of-domain prompts: "spec" and "head" at
+   the headline sampling (`ood_passes`).
+4. **Samplings**: decode.temperatures, greedy first where configured (the headline).
 
 With several processes rank 0 decides and every rank follows its verdicts (`copies_in`).
 """
@@ -34,8 +38,6 @@ With several processes rank 0 decides and every rank follows its verdicts (`copi
 from __future__ import annotations
 
 import copy
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -44,49 +46,32 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from decoding.compiled import STATS, CompiledTarget, use_compile_cache
-from decoding.drafter import Drafter
+from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
-from decoding.drafters.lookup import with_lookup
+from decoding.drafters.lookup import LookupDrafter, with_lookup
+from decoding.inductor import STATS, use_compile_cache
+from decoding.metrics import Pass
 from decoding.spec import generate
-from decoding.timing import compiled_forward_seconds, forward_seconds
+from decoding.timing import compiled_forward_seconds
 from decoding.tree import TreeSpec
 from models import dtype_choice
-from models.dtype_choice import DtypeChoice, choose_dtype, choose_measured, time_forward
+from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.few_rows import choose_layouts, few_rows_products, time_in_layout
 from models.target import Target
 from train.data.prompt_file import ood_prompts, spread
+from train.eval_compile import (
+    DecodeCopies,
+    compile_choice,
+    compile_setting,
+    compiled_decoding,
+    compiled_verify_timed,
+    describe_compile,
+)
 from train.ranks import Ranks
 from train.step_stats import decode_samplings
 
-# decode.compile=auto on a CPU that never compiled this decode: what to do about it
-UNMEASURED = (
-    ": compiling was never timed here (minutes on a CPU); `scripts/evaluate.py CKPT "
-    "decode.compile=only` times and records it, and auto weighs it from then on"
-)
-
-
-def describe_compile(choice: dict, setting: str) -> str:
-    """The console's line for `compile_choice`'s record."""
-    times = "".join(f", {k} {v:.0f} s" if k in ("compile", "saved at most") else
-                    f", {k} {v * 1e3:.1f} ms" for k, v in choice["seconds"].items())  # fmt: skip
-    if setting == "only":  # compiled whatever the verdict
-        return f"decode path: compiled (only; the faster verify: {choice['dtype']}{times})"
-    hint = UNMEASURED if choice["source"] == "unmeasured" else ""
-    return f"decode path: {choice['dtype']} (auto: {choice['source']}{times}){hint}"
-
-
-@dataclass
-class DecodeCopies:
-    """What train/evaluate.py: evaluate_checkpoint keeps for a run's next checkpoint."""
-
-    target: Target  # the frozen target in the decoding dtype
-    dtypes: dict  # decode.dtype's choice and the fastest AR's (models/dtype_choice.py)
-    baseline: Target | None = None  # the frozen target in the fastest AR's dtype, if another
-    compiled: CompiledTarget | None = None  # decode.compile: its compiled target, and the
-    draft: torch.nn.Module | None = None  # draft copy (weights copied in at each checkpoint)
-    drafter: Drafter | None = None  # and drafter whose graphs read them
+PROXY_LAYERS = 2  # the target's first layers a compiled dtype verdict is timed on
 
 
 @dataclass
@@ -94,10 +79,11 @@ class CheckpointPlan:
     """What `train.evaluate.evaluate_checkpoint` decodes at one checkpoint."""
 
     copies: DecodeCopies  # kept for the run's next checkpoint
-    decode_target: Target  # the target the drafts are judged against (Medusa-2: adapted)
-    drafter: Drafter  # the eager drafter over decode_target
-    compiled: tuple[CompiledTarget, Drafter] | None  # the compiled path, where it decodes
-    only_compiled: bool  # the compiled decode IS the evaluation
+    samplings: list[tuple[str, Sampling]]  # eval tag ("greedy", "T1") -> sampling, headline first
+    passes: list[Pass]  # decoded at every sampling, interleaved prompt by prompt
+    ood_passes: list[Pass]  # decoded on `ood` at the headline sampling: "spec", "head"
+    lookup: LookupDrafter | None  # the spec decode's prompt lookup, whose rounds are counted
+    path: str  # the spec decode's: "compiled" or "eager"
     prompts: list[Tensor]  # [1, T] each: the eval prompts
     ood: list[Tensor]  # [1, T] each: decode.ood_prompts
     tree: TreeSpec | None
@@ -114,14 +100,11 @@ def plan_checkpoint(
     tree = None  # decode=tree_static / tree_dynamic: draft trees (decoding/tree.py)
     if dec.get("tree") is not None:
         tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
-    use_compile_cache((cfg.get("data") or {}).get("cache_dir"))  # compiled code kept per machine
+    cache_dir = (cfg.get("data") or {}).get("cache_dir")
+    use_compile_cache(cache_dir)  # compiled code kept per machine
     if target_eval is None:  # rank 0 chooses the dtypes, every rank decodes in them
         if ranks.main:
-            cache_dir = (cfg.get("data") or {}).get("cache_dir")
-            taps = ()  # the drafter's, where decode_copies times a compiled verify
-            if compiled_verify_timed(dec, target.device):
-                taps = make_drafter(draft_decode_copy(draft, target.dtype), target).hidden_layers
-            target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir, taps)
+            target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir)
             prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
             choice = draft_dtype_choice(draft, target_eval.target, dec, tree, prompt, cache_dir)
             if choice.source != "explicit":
@@ -135,6 +118,7 @@ def plan_checkpoint(
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = draft_eval.decoding_target(target_eval.target)
+    adapted = decode_target is not target_eval.target
     drafter = with_lookup(make_drafter(draft_eval, decode_target), dec.get("lookup_min_match", 0))
     chosen = spread(eval_prompts, dec.get("num_prompts"))  # over the categories' blocks
     prompts = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in chosen]
@@ -145,9 +129,8 @@ def plan_checkpoint(
     ood = spread(ood, dec.get("ood_num_prompts") or len(prompts))  # over the file's kinds
     ood = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in ood]
     max_new_tokens = int(dec.get("max_new_tokens", 64))
-    samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
-    compiled = None  # decode.compile: (compiled target, its drafter), beside the eager ones
-    setting = dec.get("compile", False)
+    samplings = sorted(decode_samplings(dec).items(), key=lambda item: item[0] != "greedy")
+    setting = compile_setting(dec)
     max_len = max(p.shape[1] for p in prompts + ood) + max_new_tokens
     if setting in ("auto", "only") and "compile" not in target_eval.dtypes:
         spent = STATS.seconds
@@ -155,45 +138,77 @@ def plan_checkpoint(
             compiled_decoding(target_eval, draft_eval, decode_target, drafter, dec, tree, max_len)
         choice = None  # decided at a run's first evaluation by rank 0, then kept
         if ranks.main:
-            cache_dir = (cfg.get("data") or {}).get("cache_dir")
-            # at most: the AR at the headline sampling, one verify per new token at each
-            forwards = max_new_tokens * ((len(samplings) + 1) * len(prompts) + len(ood))
+            # at most: the ARs and one verify per new token, at every sampling
+            forwards = max_new_tokens * (3 * len(samplings) * len(prompts) + len(ood))
             choice = compile_choice(
                 target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
                 [p.shape[1] for p in prompts], cache_dir, forwards, STATS.seconds - spent,
             ).as_record()  # fmt: skip
             print(describe_compile(choice, setting), flush=True)
         target_eval.dtypes["compile"] = ranks.broadcast(choice)
-    if setting == "auto":
-        setting = "only" if target_eval.dtypes["compile"]["dtype"] == "compiled" else False
-    only_compiled = setting == "only"  # the compiled decode IS the evaluation
+    compiled = setting == "only" or (
+        setting == "auto" and target_eval.dtypes["compile"]["dtype"] == "compiled"
+    )
+    # The eager AR in its fastest dtype; a draft that adapts the target (Medusa-2) keeps its
+    # AR on the adapted one, what its speculative decode must reproduce.
+    eager_ar = decode_target if adapted else (target_eval.baseline or target_eval.target)
+    choose_linear_layouts(target_eval, dec, tree, eval_prompts, cache_dir, ranks, compiled)
+    passes = []
+    if compiled:
+        compiled_target, compiled_drafter = compiled_decoding(
+            target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
+        )  # fmt: skip
+        spec = Pass("spec", compiled_target, compiled_drafter)
+        passes = [Pass("ar_eager", eager_ar), Pass("ar", compiled_target)]
+    else:
+        spec = Pass("spec", decode_target, drafter)
+        same_dtype_ar = bool(dec.get("same_dtype_ar", True)) or adapted
+        if eager_ar is not decode_target:  # the fastest eager AR runs in another dtype
+            passes.append(Pass("ar_eager", eager_ar))
+        if same_dtype_ar or eager_ar is decode_target:
+            passes.append(Pass("ar", decode_target))
+    lookup = spec.drafter if isinstance(spec.drafter, LookupDrafter) else None
+    heads = [Pass("head", spec.target, lookup.base)] if lookup is not None else []
+    passes += [spec, *heads]
+    if compiled and dec.get("compile") is True:  # decode.compile=true: the eager one beside it
+        passes.append(Pass("eager_spec", decode_target, drafter))
+    return CheckpointPlan(target_eval, samplings, passes, [spec, *heads], lookup,
+                          "compiled" if compiled else "eager", prompts, ood, tree,
+                          max_new_tokens)  # fmt: skip
+
+
+def choose_linear_layouts(
+    copies: DecodeCopies, dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict],
+    cache_dir: str | None, ranks: Ranks, compiled: bool,
+) -> None:  # fmt: skip
+    """decode.linear_layout for the eager copies a CPU decodes with (models/few_rows.py): the
+    decoding copy where the speculative decode runs eagerly, the fastest eager AR's copy
+    always, unless it is the copy the compiled target wraps (its graphs were traced plain).
+    Measured by rank 0 once per run, every rank swaps; train/evaluate.py swaps back."""
     layout = str(dec.get("linear_layout", "plain"))  # conf/decode/chain.yaml: auto
     if layout not in ("auto", "plain", "transposed"):
         raise ValueError(f"decode.linear_layout={layout!r}: use auto, plain or transposed")
-    copies = {"layout": target_eval.target, "layout_ar": target_eval.baseline}
-    if not setting and target.device.type == "cpu" and layout != "plain":  # eager decoding
-        if layout == "transposed":
-            target_eval.dtypes["layout"] = DtypeChoice("layout", layout, "explicit").as_record()
-            target_eval.dtypes["layout_ar"] = target_eval.dtypes["layout"]
-        elif "layout" not in target_eval.dtypes:  # auto: measured by rank 0, once per run
-            choices = None
-            if ranks.main:
-                _, cached, width = typical_shapes(dec, tree, eval_prompts)
-                widths = {"layout": (width, 1), "layout_ar": (1,)}  # verify + AR step; AR step
-                cache_dir = (cfg.get("data") or {}).get("cache_dir")
-                choices = choose_layouts(copies, widths, cached, cache_dir)
-                print("\n".join(f"linear {c.describe()}" for c in choices.values()), flush=True)
-                choices = {use: c.as_record() for use, c in choices.items()}
-            target_eval.dtypes.update(ranks.broadcast(choices))
-        for use, copy_ in copies.items():  # every rank: rank 0's verdicts
-            if copy_ is not None:
-                few_rows_products(copy_.model, target_eval.dtypes[use]["dtype"] == "transposed")
-    if setting:
-        compiled = compiled_decoding(
-            target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
-        )
-    return CheckpointPlan(target_eval, decode_target, drafter, compiled, only_compiled, prompts,
-                          ood, tree, max_new_tokens)  # fmt: skip
+    copies_ = {"layout": copies.target, "layout_ar": copies.baseline}  # None: the same copy
+    if compiled:
+        copies_ = {"layout_ar": copies.baseline}  # None: the AR's copy is the compiled one's
+    copies_ = {use: c for use, c in copies_.items() if c is not None}
+    if copies.target.device.type != "cpu" or layout == "plain" or not copies_:
+        return
+    if layout == "transposed":
+        for use in copies_:
+            copies.dtypes[use] = DtypeChoice(use, layout, "explicit").as_record()
+    elif any(use not in copies.dtypes for use in copies_):  # auto: measured once per run
+        choices = None
+        if ranks.main:
+            _, cached, width = typical_shapes(dec, tree, eval_prompts)
+            widths = {"layout": (width, 1), "layout_ar": (1,)}  # verify + AR step; AR step
+            widths = {use: widths[use] for use in copies_}
+            choices = choose_layouts(copies_, widths, cached, cache_dir)
+            print("\n".join(f"linear {c.describe()}" for c in choices.values()), flush=True)
+            choices = {use: c.as_record() for use, c in choices.items()}
+        copies.dtypes.update(ranks.broadcast(choices))
+    for use, copy_ in copies_.items():  # every rank: rank 0's verdicts
+        few_rows_products(copy_.model, copies.dtypes[use]["dtype"] == "transposed")
 
 
 def typical_shapes(
@@ -237,19 +252,9 @@ def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
     return copy_
 
 
-def compiled_verify_timed(dec: DictConfig, device: torch.device) -> str | None:
-    """Where decode.dtype=auto may time the verify on the compiled path (decode_copies): a
-    CPU decoding with decode.compile=only ("only": timed compiled) or auto ("auto": the
-    verdict `only` timed, where this machine has one; else eager timings, since the path
-    is chosen after the dtype and timing a compiled verify costs a compile per dtype)."""
-    path = str(dec.get("compile", False))
-    timed = dec.get("dtype") == "auto" and device.type == "cpu" and path in ("auto", "only")
-    return path if timed else None
-
-
 def decode_copies(
     target: Target, dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict],
-    cache_dir: str | None, hidden_layers: tuple[int, ...] = (),
+    cache_dir: str | None,
 ) -> DecodeCopies:  # fmt: skip
     """The frozen target in decode.dtype ("auto": the faster dtype for decoding on this
     machine), and in the dtype of the machine's fastest AR when that is another, for the
@@ -257,9 +262,11 @@ def decode_copies(
     a decode costs per token: one forward of its width (a verify of k + 1 tokens or tree
     size + 1; an AR step) over a typical cache, plus the prompt's prefill spread over
     max_new_tokens, since a dtype that is fast for one row can be slow for many (a CPU
-    without native bf16: docs/portable.md). With decode.compile=only on a CPU the verify is
-    timed compiled (with the drafter's taps, `hidden_layers`), with auto the faster of eager
-    and compiled: the path the decode will take decides its dtype."""
+    without native bf16: docs/portable.md). With decode.compile=only (or true) on a CPU the
+    verify is timed compiled, on a compiled copy of the target's first layers
+    (decoding.timing.compiled_forward_seconds: a proxy, minutes cheaper than compiling the
+    whole target per dtype), with auto where `only` recorded it: the path the decode will
+    take decides its dtype."""
     prompt, cached, width = typical_shapes(dec, tree, eval_prompts)
     per = int(dec.max_new_tokens)
     path = compiled_verify_timed(dec, target.device)
@@ -273,7 +280,7 @@ def decode_copies(
                   "prefill": prompt, "per": per}  # fmt: skip
         if layouts and target.device.type == "cpu":  # not the verdict of plain linears alone
             shapes["layouts"] = ["transposed" if t else "plain" for t in layouts]
-        timed = shapes | {"path": "only", "mode": mode, "taps": list(hidden_layers)}
+        timed = shapes | {"path": "only", "mode": mode, "proxy_layers": PROXY_LAYERS}
         recorded = dtype_choice.cache_file(
             cache_dir, {**dtype_choice.machine_key(), "use": use, "shapes": timed}
         ).is_file()
@@ -288,7 +295,7 @@ def decode_copies(
                     time_in_layout(target, dtype, new, cached, t) for t in layouts or (False,)
                 )
                 return step + prefill / per
-            step = compiled_forward_seconds(target, dtype, new, cached, hidden_layers, mode)
+            step = compiled_forward_seconds(target, dtype, new, cached, mode, PROXY_LAYERS)
             return step + prefill / per
 
         choices[use] = choose_dtype(use, setting, shapes, measure, target.device, cache_dir)
@@ -343,97 +350,3 @@ def draft_dtype_choice(
         return statistics.median(times)
 
     return choose_dtype("draft", setting, shapes, measure, target.device, cache_dir)
-
-
-def compiled_decoding(
-    copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
-    dec: DictConfig, tree: TreeSpec | None, max_len: int,
-) -> tuple[CompiledTarget, Drafter]:  # fmt: skip
-    """The compiled target and drafter for this checkpoint's `draft_eval`. Built once; later
-    checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
-    in place: a new module would compile new graphs."""
-    adapted = decode_target is not copies.target  # Medusa-2: weights change per checkpoint
-    if copies.compiled is None:
-        k = int(dec.k)
-        widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
-        if tree is None and dec.get("adaptive_k", False):
-            widths += (2 * k + 1,)  # adaptive k reaches 2k
-        levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
-        copies.compiled = CompiledTarget(
-            decode_target, max_len + max(widths), widths, drafter.hidden_layers,
-            mode=dec.get("compile_mode", "auto"), freeze=False if adapted else None,
-            draft_widths=levels,  # an EAGLE-2 tree level's width, compiled before timing
-        )  # fmt: skip
-        copies.compiled.warmup()
-        lookup = dec.get("lookup_min_match", 0)
-        copies.draft = draft_eval
-        copies.drafter = with_lookup(make_drafter(draft_eval, copies.compiled), lookup)
-    else:
-        copies.draft.load_state_dict(draft_eval.state_dict())
-        if adapted:
-            copies.compiled.model.load_state_dict(decode_target.model.state_dict())
-    return copies.compiled, copies.drafter
-
-
-def compile_choice(
-    copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
-    dec: DictConfig, tree: TreeSpec | None, max_len: int, prompt_lengths: list[int],
-    cache_dir: str | None, forwards: int, compiled_s: float = 0.0,
-) -> DtypeChoice:  # fmt: skip
-    """The compiled path's verdict: "compiled" where one verify forward (k + 1 tokens, or tree
-    size + 1) of the compiled target is faster than the eager one's, over a typical cache, on
-    this machine, else "eager"; recorded per machine, target, dtype, width and mode
-    (models/dtype_choice.py) with what compiling cost (`use: compile_s`).
-
-    decode.compile=only compiles whatever the verdict (before this call: `compiled_s`, the
-    seconds that took), times both paths and records them.
-    decode.compile=auto decodes the compiled path only where compiling pays within this
-    evaluation: with a record, where the seconds it saves over `forwards` (an upper bound:
-    the AR and one verify per new token) exceed what compiling cost ("weighed" when they do
-    not: eager, nothing compiled); without one, on a CPU it decodes eagerly ("unmeasured": a
-    cold compile there costs minutes, more than one evaluation's forwards save; `only` records
-    it), on CUDA it compiles to measure (an eager verdict drops the graphs)."""
-    setting = str(dec.get("compile"))
-    width = tree.size + 1 if tree is not None else int(dec.k) + 1
-    lengths = sorted(prompt_lengths)
-    cached = min(lengths[len(lengths) // 2] + int(dec.max_new_tokens) // 2, max_len - width)
-    layers = tuple(drafter.hidden_layers)
-    shapes = {"target": decode_target.name, "dtype": str(decode_target.dtype),
-              "device": decode_target.device.type, "width": width, "cached": cached,
-              "mode": str(dec.get("compile_mode", "auto"))}  # fmt: skip
-    machine = dtype_choice.machine_key()
-    cost_key = {**machine, "use": "compile_s", "shapes": shapes}
-    cost_file = dtype_choice.cache_file(cache_dir, cost_key)
-    verdict_file = dtype_choice.cache_file(
-        cache_dir, {**machine, "use": "compile", "shapes": shapes}
-    )
-    recorded = cost_file.is_file() and verdict_file.is_file()
-    if setting == "auto" and copies.compiled is None and recorded:
-        verdict = json.loads(verdict_file.read_text())
-        seconds, compile_s = verdict["seconds"], json.loads(cost_file.read_text())["seconds"]
-        saved_s = forwards * (seconds["eager"] - seconds["compiled"])
-        if verdict["dtype"] == "compiled" and saved_s < compile_s:
-            return DtypeChoice("compile", "eager", "weighed", seconds | {"compile": compile_s,
-                               "saved at most": max(saved_s, 0.0)}, shapes)  # fmt: skip
-    elif setting == "auto" and copies.compiled is None and decode_target.device.type == "cpu":
-        return DtypeChoice("compile", "eager", "unmeasured", {}, shapes)
-    spent = STATS.seconds
-
-    def measure(path: str) -> float:
-        if path == "eager":
-            return forward_seconds(decode_target, width, cached, layers)
-        compiled, _ = compiled_decoding(
-            copies, draft_eval, decode_target, drafter, dec, tree, max_len
-        )
-        return forward_seconds(compiled, width, cached, layers)
-
-    choice = choose_measured("compile", shapes, measure, cache_dir, ("eager", "compiled"))
-    compile_s = compiled_s + STATS.seconds - spent
-    if compile_s > 0:  # this evaluation compiled: what that cost, for later ones
-        cost_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cost_file.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": cost_key, "seconds": compile_s}))
-        tmp.replace(cost_file)
-    if setting == "auto" and choice.dtype == "eager":  # no graphs kept for a path not used
-        copies.compiled = copies.draft = copies.drafter = None
-    return choice

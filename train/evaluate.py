@@ -1,27 +1,23 @@
 """Evaluation after each checkpoint: the shared decoder on held-out prompts, as planned.
 
 `evaluate_checkpoint` asks train/eval_plan.py for the checkpoint's plan (the dtypes, the path
-— eager or compiled —, the baselines, the prompts; decided once per run from measurements on
-this machine and recorded under `dtypes`), then decodes it. For every configured sampling,
+— eager or compiled —, the passes, the samplings, the prompts; decided once per run from
+measurements on this machine and recorded under `dtypes`), then decodes it: at every sampling,
 headline first (greedy where configured), `decoding.metrics.decode_prompts` decodes each
-prompt speculatively (and at the headline, AR side by side), and `summarize` gives tau,
-per-position acceptance, the speedup against each AR and the acceptance against the
-target's entropy (`<tag>/entropy_alpha`; decoding/entropy.py, docs/design.md §3). Beside them: the training
-proxy's prediction at that same sampling and its error (`<tag>/proxy_tau`, `proxy_error`:
-simulated tau from alpha = sum min(p, q), from top-1 agreement for greedy;
-train/step_stats.py), so a train/decode mismatch (high proxy, tau ~ 1) shows at once, and at
-the headline sampling the out-of-domain prompts' tau (`ood/<tag>/tau`, `ood/tau_ratio`).
-
-The AR is decoded at the headline sampling alone, interleaved prompt by prompt with its
-speculative decode (an AR forward costs the same at every temperature): the speedups of the
-other samplings divide by it (`<tag>/ar_decoded_at`). With the compiled path as the
-evaluation (`decode_path: compiled`) each prompt is decoded by the compiled AR, the compiled
-speculative decode and the eager AR in its fastest dtype: `<tag>/speedup` is against the
-compiled AR, `speedup_eager_ar` against the eager one, `speedup_best_ar` against the faster
-(`compiled_against_both`).
-`decode.compile=true` decodes both paths and logs the compiled one's `<tag>/compiled_<key>`
-beside the eager keys. `compile_s`, `compiled_graphs` and `compiled_cudagraphs` say what
-compiling cost at this checkpoint (0 once a run's graphs exist).
+prompt in every pass of the plan, interleaved prompt by prompt (the ARs, the speculative
+decode, the trained drafter without prompt lookup), so every speedup divides by an AR decoded
+at the same sampling in the same minutes. `summarize` gives tau, per-position acceptance, the
+speedup against each AR — `speedup_best_ar` against the fastest plain decoding this machine
+runs, the faster of the compiled and the eager AR, present only where the compiled AR was
+decoded —, `loop_efficiency`, the head's own tau (`tau_head`, `speedup_head`) and the
+acceptance against the target's entropy (`<tag>/entropy_alpha`; decoding/entropy.py,
+docs/design.md §3). Beside them: the training proxy's prediction at that same sampling and
+its error (`<tag>/proxy_tau`, `proxy_error`: simulated tau from alpha = sum min(p, q), from
+top-1 agreement for greedy; train/step_stats.py), so a train/decode mismatch (high proxy,
+tau ~ 1) shows at once, and at the headline sampling the out-of-domain prompts' tau, lookup
+share and head-only tau (`ood/<tag>/...`, `ood/tau_ratio`). `compile_s`,
+`compiled_graphs` and `compiled_cudagraphs` say what compiling cost at this checkpoint (0
+once a run's graphs exist).
 
 With several processes (`ranks`, train/ranks.py) rank 0 plans and every rank decodes in its
 verdicts: rank r decodes prompts r, r + world, ... (prompt i seeded as in one process), and
@@ -35,25 +31,23 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from decoding.compiled import STATS, counts_recordings
-from decoding.drafters.lookup import LookupDrafter
+from decoding.inductor import STATS, counts_recordings
 from decoding.metrics import (
     acceptance_stats,
     decode_prompts,
     decode_spec_only,
     merge_decoded,
     summarize,
-    with_ar,
 )
 from models.few_rows import few_rows_products
 from models.target import Target
-from train.eval_plan import DecodeCopies, plan_checkpoint
+from train.eval_compile import DecodeCopies
+from train.eval_plan import CheckpointPlan, plan_checkpoint
 from train.ranks import Ranks
-from train.step_stats import decode_samplings
 
-# What the compiled path reports beside the eager keys, as <tag>/compiled_<key>.
-COMPILED_KEYS = ("tau", "speedup", "tokens_per_s", "ar_tokens_per_s", "wall_time_ratio",
-                 "greedy_match_rate")  # fmt: skip
+# The headline sampling's keys copied to the record's top level, for curves and summaries.
+HEADLINE_KEYS = ("tau", "tau_head", "speedup", "speedup_eager_ar", "speedup_compiled_ar",
+                 "speedup_best_ar", "speedup_head", "loop_efficiency")  # fmt: skip
 
 
 def evaluate_checkpoint(
@@ -77,87 +71,34 @@ def evaluate_checkpoint(
     # What compiling costs this checkpoint, the dtype choice's timing of a compiled verify included
     graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
     plan = plan_checkpoint(target, draft, eval_prompts, cfg, target_eval, ranks)
-    target_eval, decode_target, drafter, compiled = (
-        plan.copies,
-        plan.decode_target,
-        plan.drafter,
-        plan.compiled,
-    )
-    only_compiled, prompts, ood, tree = plan.only_compiled, plan.prompts, plan.ood, plan.tree
-    max_new_tokens = plan.max_new_tokens
-    mine = ranks.mine(len(prompts))  # prompts rank, rank + world, ...
-    result: dict = {"k": k, "num_prompts": len(prompts), "ood_num_prompts": len(ood)}
-    samplings = decode_samplings(dec)  # eval tag ("greedy", "T0.7") -> Sampling
-    # The fastest-AR baseline is the plain target: a draft that adapts the target (Medusa-2)
-    # keeps its AR on the adapted one, what its speculative decode must reproduce.
-    same_dtype_ar = bool(dec.get("same_dtype_ar", True)) or decode_target is not target_eval.target
-    result["dtypes"] = target_eval.dtypes
-    # The headline sampling, decoded first, is the only one decoded AR too: an AR forward
-    # costs the same at every temperature, so the other samplings' speedups divide by the AR
-    # decoded there (`with_ar`, `<tag>/ar_decoded_at`). The OOD prompts are decoded at it alone.
-    first = "greedy" if "greedy" in samplings else next(iter(samplings))
-    headline = compiled_headline = None  # the headline's Decoded: its AR serves the others
-    for tag, sampling in sorted(samplings.items(), key=lambda item: item[0] != first):
+    mine = ranks.mine(len(plan.prompts))  # prompts rank, rank + world, ...
+    result: dict = {"k": k, "num_prompts": len(plan.prompts), "ood_num_prompts": len(plan.ood),
+                    "dtypes": plan.copies.dtypes, "decode_path": plan.path,
+                    "passes": [p.name for p in plan.passes]}  # fmt: skip
+    headline = plan.samplings[0][0]
+    for tag, sampling in plan.samplings:
         kw = dict(
             k=k,
             sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            warmup=int(dec.get("warmup", 1)),
+            max_new_tokens=plan.max_new_tokens,
             seed=int(dec.get("seed", cfg.seed)),
             adaptive_k=bool(dec.get("adaptive_k", False)),
-            tree=tree,
-            ar=tag == first,
+            tree=plan.tree,
         )
-        used = compiled[1] if only_compiled else drafter
-        if isinstance(used, LookupDrafter):  # rounds counted per sampling
-            used.rounds = used.lookup_rounds = 0
+        count_lookups(plan, ranks)  # rounds counted per sampling
         with torch.no_grad():
-            if only_compiled:  # compiled AR, compiled spec, eager AR in its fastest dtype
-                eager_ar = target_eval.baseline or decode_target
-                if decode_target is not target_eval.target:  # Medusa-2: the adapted target
-                    eager_ar = decode_target
-                share = decode_prompts(*compiled, prompts, mine, baseline=eager_ar, **kw)
-            else:
-                share = decode_prompts(
-                    decode_target, drafter, prompts, mine, baseline=target_eval.baseline,
-                    same_dtype_ar=same_dtype_ar, **kw,
-                )  # fmt: skip
-            parts = ranks.gather(share)
-            if ranks.world > 1:  # which rank decoded which prompts
-                result["prompts_by_rank"] = [part.indices for part in parts]
-            decoded = merge_decoded(parts)
-            if tag == first:
-                headline = decoded
-            else:
-                decoded = with_ar(decoded, headline)
-            m = summarize(decoded)
-            m["ar_decoded_at"] = first
-            if only_compiled:
-                m = compiled_against_both(m)
-            elif compiled is not None:  # COMPILED_KEYS only, the compiled AR at `first` too
-                share = decode_prompts(*compiled, prompts, mine, entropy=False, **kw)
-                compiled_decoded = merge_decoded(ranks.gather(share))
-                if tag == first:
-                    compiled_headline = compiled_decoded
-                else:
-                    compiled_decoded = with_ar(compiled_decoded, compiled_headline)
-                mc = summarize(compiled_decoded)
-                result |= {f"{tag}/compiled_{key}": mc[key] for key in COMPILED_KEYS}
-        for key, value in m.items():
-            result[f"{tag}/{key}"] = value
-        if isinstance(used, LookupDrafter):  # every rank's rounds, warm-up prompts included
-            counts = ranks.gather((used.lookup_rounds, used.rounds))
-            lookups, rounds = (sum(c[i] for c in counts) for i in (0, 1))
-            result[f"{tag}/lookup_share"] = lookups / max(rounds, 1)
-        if ood and tag == first:  # the same decode on out-of-domain prompts: tau, alpha
-            spec = compiled if only_compiled else (decode_target, drafter)
-            kw.pop("warmup"), kw.pop("ar")
-            with torch.no_grad():
-                runs = decode_spec_only(*spec, ood, ranks.mine(len(ood)), **kw)
-            runs = [r for part in ranks.gather(runs) for r in part]
-            ood_stats = acceptance_stats(runs, max(max(r.draft_lens, default=k) for r in runs))
-            result[f"ood/{tag}/tau"] = ood_stats["tau"]
-            result[f"ood/{tag}/alpha"] = ood_stats["alpha"]
+            share = decode_prompts(
+                plan.passes, plan.prompts, mine, warmup=int(dec.get("warmup", 1)), **kw
+            )  # fmt: skip
+        parts = ranks.gather(share)
+        if ranks.world > 1:  # which rank decoded which prompts
+            result["prompts_by_rank"] = [part.indices for part in parts]
+        m = summarize(merge_decoded(parts))
+        if plan.lookup is not None:  # every rank's rounds, warm-up prompts included
+            m["lookup_share"] = count_lookups(plan, ranks)
+        result |= {f"{tag}/{key}": value for key, value in m.items()}
+        if plan.ood and tag == headline:  # the same decodes on out-of-domain prompts
+            result |= ood_record(plan, tag, ranks, kw)
         # The proxy computed at this very sampling; absent from train records written
         # before this temperature was configured (a resumed run), and then not reported.
         predicted = None
@@ -166,56 +107,61 @@ def evaluate_checkpoint(
         if predicted is not None:
             result[f"{tag}/proxy_tau"] = predicted
             result[f"{tag}/proxy_error"] = predicted - m["tau"]
-    result["tau"] = result[f"{first}/tau"]  # the headline number for curves and summaries
-    result["speedup"] = result.get(f"{first}/speedup")
-    result["speedup_best_ar"] = result.get(f"{first}/speedup_best_ar")
-    if ood:  # the out-of-domain tau beside the in-domain one, and their ratio
-        result["ood/tau"] = result[f"ood/{first}/tau"]
+    result |= {key: result[f"{headline}/{key}"] for key in HEADLINE_KEYS
+               if f"{headline}/{key}" in result}  # fmt: skip
+    if plan.ood:  # the out-of-domain tau beside the in-domain one, and their ratio
+        result["ood/tau"] = result[f"ood/{headline}/tau"]
         result["ood/tau_ratio"] = result["ood/tau"] / result["tau"]
-    if only_compiled:
-        result["decode_path"] = "compiled"
-        result["speedup_eager_ar"] = result[f"{first}/speedup_eager_ar"]
-        result["speedup_compiled"] = result[f"{first}/speedup_compiled_ar"]
-    elif compiled is not None:
-        result["speedup_compiled"] = result[f"{first}/compiled_speedup"]
-    if compiled is not None:
+    if plan.copies.compiled is not None:
         result["compile_s"] = STATS.seconds - seconds  # 0 once a run's graphs exist
         result["compiled_graphs"] = STATS.graphs - graphs
         # CUDA-graph recordings; None where this torch does not announce them
         result["compiled_cudagraphs"] = STATS.cudagraphs - recorded if counts_recordings() else None
-    for copy_ in (target_eval.target, target_eval.baseline):  # the plan's layout, for decoding
+    for copy_ in (plan.copies.target, plan.copies.baseline):  # the plan's layout, for decoding
         if copy_ is not None:  # alone: the target goes on training as it came
             few_rows_products(copy_.model, False)
-    return result, target_eval
+    return result, plan.copies
 
 
-def compiled_against_both(m: dict) -> dict:
-    """`decode.compile=only`: `summarize` of the compiled decode whose AR ran compiled (same
-    target, dtype and graphs: `speedup`, `greedy_match_rate`) and eagerly in the fastest
-    eager AR dtype (its `*best_ar*` keys). Renamed so each says which AR it divides by, and
-    `speedup_best_ar` = against the faster of the two ARs, measured side by side
-    (docs/design.md §3): no speedup is an artefact of a slow baseline."""
-    m = dict(m)
-    m["speedup_compiled_ar"], m["compiled_ar_tokens_per_s"] = m["speedup"], m["ar_tokens_per_s"]
-    m["speedup_eager_ar"], m["eager_ar_tokens_per_s"] = (
-        m["speedup_best_ar"],
-        m["best_ar_tokens_per_s"],
-    )
-    m["eager_ar_dtype"] = m["best_ar_dtype"]
-    compiled_wins = m["compiled_ar_tokens_per_s"] >= m["eager_ar_tokens_per_s"]
-    m["best_ar"] = f"compiled {m['dtype']}" if compiled_wins else f"eager {m['eager_ar_dtype']}"
-    m["best_ar_dtype"] = m["dtype"] if compiled_wins else m["eager_ar_dtype"]
-    m["best_ar_tokens_per_s"] = max(m["compiled_ar_tokens_per_s"], m["eager_ar_tokens_per_s"])
-    m["speedup_best_ar"] = m["tokens_per_s"] / m["best_ar_tokens_per_s"]
-    return m
+def count_lookups(plan: CheckpointPlan, ranks: Ranks) -> float | None:
+    """The share of the spec decode's rounds that prompt lookup drafted since the last call,
+    over every rank; resets the counts. None without lookup."""
+    if plan.lookup is None:
+        return None
+    counts = ranks.gather((plan.lookup.lookup_rounds, plan.lookup.rounds))
+    plan.lookup.rounds = plan.lookup.lookup_rounds = 0
+    lookups, rounds = (sum(c[i] for c in counts) for i in (0, 1))
+    return lookups / max(rounds, 1)
+
+
+def ood_record(plan: CheckpointPlan, tag: str, ranks: Ranks, kw: dict) -> dict:
+    """`ood/<tag>/tau`, `alpha` and `lookup_share` of the speculative decode on the
+    out-of-domain prompts, and `tau_head` of the trained drafter alone there (no timing: no
+    AR, no warm-up)."""
+    out = {}
+    for spec in plan.ood_passes:
+        count_lookups(plan, ranks)
+        with torch.no_grad():
+            runs = decode_spec_only(
+                spec.target, spec.drafter, plan.ood, ranks.mine(len(plan.ood)), **kw
+            )  # fmt: skip
+        runs = [r for part in ranks.gather(runs) for r in part]
+        stats = acceptance_stats(runs, max(max(r.draft_lens, default=kw["k"]) for r in runs))
+        if spec.name == "spec":
+            out[f"ood/{tag}/tau"], out[f"ood/{tag}/alpha"] = stats["tau"], stats["alpha"]
+            if plan.lookup is not None:
+                out[f"ood/{tag}/lookup_share"] = count_lookups(plan, ranks)
+        else:
+            out[f"ood/{tag}/tau_{spec.name}"] = stats["tau"]
+    return out
 
 
 def format_eval_table(evals: list[dict]) -> str:
-    """A markdown table of the per-checkpoint evaluations: τ, α_i and speedup per temperature;
-    with decode.compile, the compiled path's speedup (vs compiled AR) and tokens/s beside the
-    eager ones."""
+    """A markdown table of the per-checkpoint evaluations: τ (and the head's alone, without
+    prompt lookup), α_i and per temperature the speedup against the fastest AR (where the
+    compiled AR was decoded) and against the eager AR, tokens/s of the speculative decode and
+    of the ARs, and the loop's efficiency."""
     rows = []
-    compiled = any(key.endswith("/compiled_speedup") for ev in evals for key in ev)
     for ev in evals:
         for key, tau in ev.items():
             if not key.endswith("/tau"):
@@ -224,32 +170,31 @@ def format_eval_table(evals: list[dict]) -> str:
             if tag == "ood":  # the headline sampling's ood/<tag>/tau again
                 continue
             alpha = " ".join("-" if a is None else f"{a:.2f}" for a in ev.get(f"{tag}/alpha", []))
-            row = f"| {ev.get('step', '?')} | {tag} | {tau:.3f} | {alpha} "
+            head = ev.get(f"{tag}/tau_head")
+            row = f"| {ev.get('step', '?')} | {tag} | {tau:.3f} | {_num(head, '.3f')} | {alpha} "
             if f"{tag}/speedup" in ev:
+                best = ev.get(f"{tag}/speedup_best_ar")
                 row += (
-                    f"| {ev[f'{tag}/speedup']:.2f}x "
-                    f"| {ev.get(f'{tag}/speedup_best_ar', float('nan')):.2f}x "
-                    f"({ev.get(f'{tag}/best_ar', ev.get(f'{tag}/best_ar_dtype', '?'))}) "
-                    f"| {ev.get(f'{tag}/tokens_per_s', float('nan')):.1f} "
-                    f"| {ev.get(f'{tag}/ar_tokens_per_s', float('nan')):.1f} |"
+                    f"| {_num(best, '.2f', 'x')} ({ev.get(f'{tag}/best_ar', 'not decoded')}) "
+                    f"| {_num(ev.get(f'{tag}/speedup_eager_ar'), '.2f', 'x')} "
+                    f"| {ev[f'{tag}/tokens_per_s']:.1f} "
+                    f"| {_num(ev.get(f'{tag}/compiled_ar_tokens_per_s'), '.1f')} "
+                    f"| {_num(ev.get(f'{tag}/eager_ar_tokens_per_s'), '.1f')} "
+                    f"| {_num(ev.get(f'{tag}/loop_efficiency'), '.2f')} |"
                 )
             else:  # out-of-domain prompts: decoded for tau alone, no AR pass
-                row += "| - | - | - | - |"
-            if compiled and f"{tag}/speedup" not in ev:
-                row += " - | - | - |"
-            elif compiled:
-                row += (
-                    f" {ev.get(f'{tag}/compiled_speedup', float('nan')):.2f}x "
-                    f"| {ev.get(f'{tag}/compiled_tokens_per_s', float('nan')):.1f} "
-                    f"| {ev.get(f'{tag}/compiled_ar_tokens_per_s', float('nan')):.1f} |"
-                )
+                row += "| - | - | - | - | - | - |"
             rows.append(row)
     head = (
-        "| step | sampling | τ | α per position | speedup vs AR | vs the fastest AR (its dtype) "
-        "| tok/s spec | tok/s AR |"
+        "| step | sampling | τ | τ head alone | α per position | speedup vs the fastest AR "
+        "| vs the eager AR | tok/s spec | tok/s AR compiled | tok/s AR eager | loop efficiency |"
     )
-    rule = "|---|---|---|---|---|---|---|---|"
-    if compiled:
-        head += " speedup compiled (vs compiled AR) | tok/s spec compiled | tok/s AR compiled |"
-        rule += "---|---|---|"
-    return "\n".join([head, rule, *rows])
+    lines = [head, "|---" * 11 + "|", *rows]
+    if evals and "speedup_best_ar" not in evals[-1]:
+        lines.append("The compiled AR was not decoded (decode.compile=false, or auto chose eager), so "
+                     "there is no speedup against the fastest AR; decode.compile=only decodes it.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _num(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{unit}"

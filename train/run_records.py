@@ -17,7 +17,7 @@ from models.protocol import DraftModel
 from models.target import Target
 from train.checkpoint import rng_state, save_checkpoint, set_rng_state, trainer_state
 from train.data.prepare import PreparedData
-from train.eval_plan import DecodeCopies
+from train.eval_compile import DecodeCopies
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.heldout import PREFIX, HeldOut
 from train.ranks import Ranks

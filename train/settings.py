@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.compiled import resolve_mode
 from decoding.drafter import Sampling
 from decoding.drafters import drafter_class
+from decoding.inductor import resolve_mode
 from decoding.rounds import check_context
 from decoding.tree import TreeSpec
 from decoding.verify import check_sampling

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from decoding.compiled import Compiled, CompiledTarget, unwrap
+from decoding.compiled import CompiledTarget, unwrap
 from decoding.drafter import Sampling
+from decoding.inductor import Compiled
 from decoding.tree import DraftTree, TreeSpec, static_parents, static_tree
 from decoding.verify import sampling_probs
 from models.medusa import MedusaHeads

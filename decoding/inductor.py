@@ -1,0 +1,193 @@
+"""torch.compile through one counting backend (decoding/compiled.py builds the compiled
+decoding path on it; docs/fastpath.md): the compile modes and their inductor settings
+(`MODES`, `MODE_OPTIONS`, `resolve_mode`), `Compiled` (fixed shapes, full graphs, frozen
+weights where asked), what compiling cost so far (`STATS`) and inductor's on-disk cache
+under the project's cache root (`use_compile_cache`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from models.dtype_choice import cache_root
+
+MODES = (
+    "auto",
+    "cpp-gemm",
+    "default",
+    "reduce-overhead",
+    "max-autotune",
+    "max-autotune-no-cudagraphs",
+    "aot_eager",
+)
+
+
+@dataclass
+class CompileStats:
+    graphs: int = 0  # graphs compiled so far (a recompile adds one)
+    cudagraphs: int = 0  # CUDA graphs recorded so far (a graph's second call records it)
+    seconds: float = 0.0  # wall time of the calls that compiled or recorded, those runs included
+
+
+STATS = CompileStats()
+
+
+@cache
+def counts_recordings() -> bool:
+    """Count every CUDA-graph recording in STATS (torch announces each to dynamo's callbacks;
+    registered once, when the first `Compiled` is built). False where this torch announces
+    none (before 2.8: no CallbackTrigger): STATS.cudagraphs then stays 0, uncounted."""
+    try:
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+    except ImportError:
+        return False
+
+    def count(args) -> None:
+        if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+            STATS.cudagraphs += 1
+
+    callback_handler.register_start_callback(count)
+    return True
+
+
+# Inductor settings per mode beyond torch.compile's own (`list_mode_options`). cpp-gemm: every
+# matmul of a frozen weight through inductor's C++ GEMM template and nothing else, so nothing is
+# benchmarked (a single candidate is taken as it is), and linears that read one input (q/k/v,
+# gate/up) concatenated into one GEMM at freezing. Measured side by side against `default` and
+# `max-autotune-no-cudagraphs` by scripts/bench_compile.py (docs/fastpath.md, "Compile modes").
+MODE_OPTIONS = {
+    "cpp-gemm": ("max-autotune-no-cudagraphs",
+                 {"max_autotune_gemm_backends": "CPP", "cpp.enable_concat_linear": True}),
+}  # fmt: skip
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    if mode not in MODES:
+        raise ValueError(f"compile mode {mode!r}; use one of {MODES}")
+    if mode == "auto":  # CPU: the mode scripts/bench_compile.py measured best (docs/fastpath.md)
+        return "reduce-overhead" if device.type == "cuda" else "cpp-gemm"
+    return mode
+
+
+def user_compile_cache() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR as the user set it: None where unset or where inductor set it
+    to its own temporary default (importing some of torch does, before any compile)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return None if path in (None, default_cache_dir()) else path
+
+
+def use_compile_cache(cache_dir: str | None) -> str | None:
+    """Inductor's on-disk cache (generated kernels, compiled C++, autotuning results) in
+    <cache root>/inductor (models.dtype_choice.cache_root, beside the dtype verdicts) instead
+    of a temporary directory that every new machine and every cleaned /tmp compiles into
+    again; a TORCHINDUCTOR_CACHE_DIR the user set stays. Inductor
+    reads the variable when it compiles, so this only has to run before the first compile.
+    Frozen CPU graphs hold packed weights its graph cache cannot store, so a warm cache saves
+    code generation and the C++ compiler, not the tracing (docs/fastpath.md). -> the dir."""
+    if user_compile_cache() is not None:
+        return user_compile_cache()
+    path = str(cache_root(cache_dir) / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
+@cache
+def _backend(mode: str, freeze: bool) -> Callable:
+    """One backend object per setting: dynamo reuses a compiled graph only under the backend
+    that compiled it, so every `Compiled` of the same setting must share it."""
+    if mode == "aot_eager":
+        inner = torch._dynamo.lookup_backend("aot_eager")
+    else:
+        # Imported here, as only code-generating modes need it: the import is slow, and every
+        # eager decode and the aot_eager tests would pay for it otherwise.
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        _memoize_kernel_templates()
+        base, extra = MODE_OPTIONS.get(mode, (mode, {}))
+        options = {**list_mode_options(base), "freezing": freeze, **extra}
+
+        def inner(gm, example_inputs):
+            return compile_fx(gm, example_inputs, config_patches=options)
+
+    def backend(gm, example_inputs):
+        STATS.graphs += 1
+        return inner(gm, example_inputs)
+
+    return backend
+
+
+@cache
+def _memoize_kernel_templates() -> None:
+    """Inductor compiles a kernel template's jinja source anew for every GEMM it lowers and
+    renders (twice per matmul of a 30-layer target): a third of a CPU compile's seconds in
+    cProfile (SmolLM2, cpp-gemm). The source is a module constant and a jinja Template renders
+    without side effects, so one compiled Template per source serves them all."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    compile_source = KernelTemplate._template_from_string
+    KernelTemplate._template_from_string = staticmethod(cache(compile_source))
+
+
+class Compiled:
+    """`fn` under torch.compile: fixed shapes (one graph per input shape), full graphs (a
+    graph break raises). `freeze`: the weights `fn` reads become constants of the graph
+    (inductor freezing; only for weights that never change, the target's)."""
+
+    def __init__(self, fn: Callable, mode: str, freeze: bool = False):
+        if mode not in MODES or mode == "auto":
+            raise ValueError(f"compile mode {mode!r}; resolve it first (resolve_mode)")
+        # Drafters compile one step per module and width (MTP: one module per depth); the
+        # default limit of 8 graphs per code object would silently fall back to eager.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+        counts_recordings()
+        self.freeze = freeze and mode != "aot_eager"
+        self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
+        self.fn = torch.compile(
+            fn, backend=_backend(mode, self.freeze), fullgraph=True, dynamic=False
+        )
+
+    def __call__(self, *args):
+        args = tuple(dense(a) if isinstance(a, Tensor) else a for a in args)
+        before, t0 = (STATS.graphs, STATS.cudagraphs), time.perf_counter()
+        if self.cudagraphs:  # a new replay: outputs of the previous one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.freeze:  # dynamo reads the flag when it traces: weights become constants
+            with torch._inductor.config.patch(freezing=True):
+                out = self.fn(*args)
+        else:
+            out = self.fn(*args)
+        if self.cudagraphs:  # CUDA-graph outputs live in memory the next replay reuses
+            out = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, out)
+        if (STATS.graphs, STATS.cudagraphs) != before:
+            STATS.seconds += time.perf_counter() - t0
+        return out
+
+    @property
+    def warm_calls(self) -> int:
+        """Calls per shape that leave nothing to compile or record: 2 with CUDA graphs."""
+        return 2 if self.cudagraphs else 1
+
+
+def dense(x: Tensor) -> Tensor:
+    """x with the strides of a fresh contiguous tensor. Dynamo guards input strides, and a
+    slice of a growing sequence ([B, 1] taken from [B, T]: strides (T, 1)) would compile a
+    new graph for every T; `.contiguous()` keeps such a slice as it is (a size-1 dim's
+    stride does not count for contiguity), so copy it."""
+    expected, stride = [], 1
+    for size in reversed(x.shape):
+        expected.append(stride)
+        stride *= size
+    if x.stride() == tuple(reversed(expected)):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)

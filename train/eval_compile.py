@@ -1,0 +1,164 @@
+"""The compiled path of an evaluation (decode.compile; docs/fastpath.md): what a run keeps
+between checkpoints (`DecodeCopies`), the compiled target and drafter built once
+(`compiled_decoding`), and the verdict of `decode.compile=auto` (`compile_choice`: the faster
+verify forward where compiling pays within the evaluation), measured once per machine."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from decoding.compiled import CompiledTarget
+from decoding.drafter import Drafter
+from decoding.drafters import make_drafter
+from decoding.drafters.lookup import with_lookup
+from decoding.inductor import STATS
+from decoding.timing import forward_seconds
+from decoding.tree import TreeSpec
+from models import dtype_choice
+from models.dtype_choice import DtypeChoice, choose_measured
+from models.target import Target
+
+
+@dataclass
+class DecodeCopies:
+    """What train/evaluate.py: evaluate_checkpoint keeps for a run's next checkpoint."""
+
+    target: Target  # the frozen target in the decoding dtype
+    dtypes: dict  # decode.dtype's choice and the fastest AR's (models/dtype_choice.py)
+    baseline: Target | None = None  # the frozen target in the fastest AR's dtype, if another
+    compiled: CompiledTarget | None = None  # decode.compile: its compiled target, and the
+    draft: torch.nn.Module | None = None  # draft copy (weights copied in at each checkpoint)
+    drafter: Drafter | None = None  # and drafter whose graphs read them
+
+
+# decode.compile=auto on a CPU that never compiled this decode: what to do about it
+UNMEASURED = (
+    ": compiling was never timed here (minutes on a CPU); `scripts/evaluate.py CKPT "
+    "decode.compile=only` times and records it, and auto weighs it from then on"
+)
+
+
+def describe_compile(choice: dict, setting: str) -> str:
+    """The console's line for `compile_choice`'s record."""
+    times = "".join(f", {k} {v:.0f} s" if k in ("compile", "saved at most") else
+                    f", {k} {v * 1e3:.1f} ms" for k, v in choice["seconds"].items())  # fmt: skip
+    if setting == "only":  # compiled whatever the verdict
+        return f"decode path: compiled (only; the faster verify: {choice['dtype']}{times})"
+    hint = UNMEASURED if choice["source"] == "unmeasured" else ""
+    return f"decode path: {choice['dtype']} (auto: {choice['source']}{times}){hint}"
+
+
+def compile_setting(dec: DictConfig) -> str:
+    """decode.compile as one of "false", "auto", "only"; `true` is `only` with the eager
+    speculative decode beside it, so it compiles as `only` does."""
+    setting = str(dec.get("compile", False)).lower()
+    return "only" if setting == "true" else setting
+
+
+def compiled_verify_timed(dec: DictConfig, device: torch.device) -> str | None:
+    """Where decode.dtype=auto may time the verify on the compiled path (decode_copies): a
+    CPU decoding with decode.compile=only or true ("only": timed compiled, by proxy) or auto
+    ("auto": the verdict `only` timed, where this machine has one; else eager timings, since
+    the path is chosen after the dtype)."""
+    path = compile_setting(dec)
+    timed = dec.get("dtype") == "auto" and device.type == "cpu" and path in ("auto", "only")
+    return path if timed else None
+
+
+def compiled_decoding(
+    copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
+    dec: DictConfig, tree: TreeSpec | None, max_len: int,
+) -> tuple[CompiledTarget, Drafter]:  # fmt: skip
+    """The compiled target and drafter for this checkpoint's `draft_eval`. Built once; later
+    checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
+    in place: a new module would compile new graphs."""
+    adapted = decode_target is not copies.target  # Medusa-2: weights change per checkpoint
+    if copies.compiled is None:
+        k = int(dec.k)
+        widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
+        if tree is None and dec.get("adaptive_k", False):
+            widths += (2 * k + 1,)  # adaptive k reaches 2k
+        levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
+        copies.compiled = CompiledTarget(
+            decode_target, max_len + max(widths), widths, drafter.hidden_layers,
+            mode=dec.get("compile_mode", "auto"), freeze=False if adapted else None,
+            draft_widths=levels,  # an EAGLE-2 tree level's width, compiled before timing
+        )  # fmt: skip
+        copies.compiled.warmup()
+        lookup = dec.get("lookup_min_match", 0)
+        copies.draft = draft_eval
+        copies.drafter = with_lookup(make_drafter(draft_eval, copies.compiled), lookup)
+    else:
+        copies.draft.load_state_dict(draft_eval.state_dict())
+        if adapted:
+            copies.compiled.model.load_state_dict(decode_target.model.state_dict())
+    return copies.compiled, copies.drafter
+
+
+def compile_choice(
+    copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
+    dec: DictConfig, tree: TreeSpec | None, max_len: int, prompt_lengths: list[int],
+    cache_dir: str | None, forwards: int, compiled_s: float = 0.0,
+) -> DtypeChoice:  # fmt: skip
+    """The compiled path's verdict: "compiled" where one verify forward (k + 1 tokens, or tree
+    size + 1) of the compiled target is faster than the eager one's, over a typical cache, on
+    this machine, else "eager"; recorded per machine, target, dtype, width and mode
+    (models/dtype_choice.py) with what compiling cost (`use: compile_s`).
+
+    decode.compile=only compiles whatever the verdict (before this call: `compiled_s`, the
+    seconds that took), times both paths and records them.
+    decode.compile=auto decodes the compiled path only where compiling pays within this
+    evaluation: with a record, where the seconds it saves over `forwards` (an upper bound:
+    the AR and one verify per new token) exceed what compiling cost ("weighed" when they do
+    not: eager, nothing compiled); without one, on a CPU it decodes eagerly ("unmeasured": a
+    cold compile there costs minutes, more than one evaluation's forwards save; `only` records
+    it), on CUDA it compiles to measure (an eager verdict drops the graphs)."""
+    setting = compile_setting(dec)
+    width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    lengths = sorted(prompt_lengths)
+    cached = min(lengths[len(lengths) // 2] + int(dec.max_new_tokens) // 2, max_len - width)
+    layers = tuple(drafter.hidden_layers)
+    shapes = {"target": decode_target.name, "dtype": str(decode_target.dtype),
+              "device": decode_target.device.type, "width": width, "cached": cached,
+              "mode": str(dec.get("compile_mode", "auto"))}  # fmt: skip
+    machine = dtype_choice.machine_key()
+    cost_key = {**machine, "use": "compile_s", "shapes": shapes}
+    cost_file = dtype_choice.cache_file(cache_dir, cost_key)
+    verdict_file = dtype_choice.cache_file(
+        cache_dir, {**machine, "use": "compile", "shapes": shapes}
+    )
+    recorded = cost_file.is_file() and verdict_file.is_file()
+    if setting == "auto" and copies.compiled is None and recorded:
+        verdict = json.loads(verdict_file.read_text())
+        seconds, compile_s = verdict["seconds"], json.loads(cost_file.read_text())["seconds"]
+        saved_s = forwards * (seconds["eager"] - seconds["compiled"])
+        if verdict["dtype"] == "compiled" and saved_s < compile_s:
+            return DtypeChoice("compile", "eager", "weighed", seconds | {"compile": compile_s,
+                               "saved at most": max(saved_s, 0.0)}, shapes)  # fmt: skip
+    elif setting == "auto" and copies.compiled is None and decode_target.device.type == "cpu":
+        return DtypeChoice("compile", "eager", "unmeasured", {}, shapes)
+    spent = STATS.seconds
+
+    def measure(path: str) -> float:
+        if path == "eager":
+            return forward_seconds(decode_target, width, cached, layers)
+        compiled, _ = compiled_decoding(
+            copies, draft_eval, decode_target, drafter, dec, tree, max_len
+        )
+        return forward_seconds(compiled, width, cached, layers)
+
+    choice = choose_measured("compile", shapes, measure, cache_dir, ("eager", "compiled"))
+    compile_s = compiled_s + STATS.seconds - spent
+    if compile_s > 0:  # this evaluation compiled: what that cost, for later ones
+        cost_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cost_file.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": cost_key, "seconds": compile_s}))
+        tmp.replace(cost_file)
+    if setting == "auto" and choice.dtype == "eager":  # no graphs kept for a path not used
+        copies.compiled = copies.draft = copies.drafter = None
+    return choice
