@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,6 @@ from decoding.compiled import CompiledTarget
 from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import with_lookup
-from decoding.inductor import STATS
 from decoding.timing import forward_seconds
 from decoding.tree import TreeSpec
 from models import dtype_choice
@@ -142,18 +142,20 @@ def compile_choice(
                                "saved at most": max(saved_s, 0.0)}, shapes)  # fmt: skip
     elif setting == "auto" and copies.compiled is None and decode_target.device.type == "cpu":
         return DtypeChoice("compile", "eager", "unmeasured", {}, shapes)
-    spent = STATS.seconds
+    built_s = [compiled_s]  # wall seconds of building the compiled copies, warm-up included
 
     def measure(path: str) -> float:
         if path == "eager":
             return forward_seconds(decode_target, width, cached, layers)
+        t0 = time.perf_counter()
         compiled, _ = compiled_decoding(
             copies, draft_eval, decode_target, drafter, dec, tree, max_len
         )
+        built_s.append(time.perf_counter() - t0)
         return forward_seconds(compiled, width, cached, layers)
 
     choice = choose_measured("compile", shapes, measure, cache_dir, ("eager", "compiled"))
-    compile_s = compiled_s + STATS.seconds - spent
+    compile_s = sum(built_s)
     if compile_s > 0:  # this evaluation compiled: what that cost, for later ones
         cost_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cost_file.with_suffix(f".tmp-{os.getpid()}")

@@ -49,7 +49,7 @@ from torch import Tensor
 from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import LookupDrafter, with_lookup
-from decoding.inductor import STATS, use_compile_cache
+from decoding.inductor import use_compile_cache
 from decoding.metrics import Pass
 from decoding.spec import generate
 from decoding.timing import compiled_forward_seconds
@@ -133,16 +133,19 @@ def plan_checkpoint(
     setting = compile_setting(dec)
     max_len = max(p.shape[1] for p in prompts + ood) + max_new_tokens
     if setting in ("auto", "only") and "compile" not in target_eval.dtypes:
-        spent = STATS.seconds
+        # what building the compiled copies cost, by the clock: graphs already compiled in
+        # this process (dynamo reuses them) would make a count of fresh compiles read zero
+        started = time.perf_counter()
         if setting == "only":  # every rank compiles at once; rank 0 then times both paths
             compiled_decoding(target_eval, draft_eval, decode_target, drafter, dec, tree, max_len)
+        built_s = time.perf_counter() - started
         choice = None  # decided at a run's first evaluation by rank 0, then kept
         if ranks.main:
             # at most: the ARs and one verify per new token, at every sampling
             forwards = max_new_tokens * (3 * len(samplings) * len(prompts) + len(ood))
             choice = compile_choice(
                 target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
-                [p.shape[1] for p in prompts], cache_dir, forwards, STATS.seconds - spent,
+                [p.shape[1] for p in prompts], cache_dir, forwards, built_s,
             ).as_record()  # fmt: skip
             print(describe_compile(choice, setting), flush=True)
         target_eval.dtypes["compile"] = ranks.broadcast(choice)
