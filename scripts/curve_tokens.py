@@ -2,13 +2,19 @@
 
     python scripts/curve_tokens.py --steps 300 --seeds 0 1 \
         --points regen:0 raw:180 raw:680 raw:2400 reference:700 --out docs/reports/curve
+    python scripts/curve_tokens.py --passes 1 --seeds 0 1 --pack DIR \
+        --points pack:28000 pack:100000 pack:300000 pack:1000000 --out docs/reports/curve_pack
 
 Every point is one `train.py +experiment=eagle_tv` run at a FIXED step budget (no time
 budget, no decode evaluation: the held-out proxy of train/heldout.py measures it, and a
 step count does not depend on the machine's load): the recipe's regenerated answers plus
 N rows of one more stream, `raw` (data.num_raw_chunks: chunks of stdlib modules and play
 scenes, labelled by the target itself under KL / TV losses), `reference` (data.num_reference:
-the corpus's own answers) or `regen` (N more regenerated answers: data.num_train = 256 + N).
+the corpus's own answers) or `regen` (N more regenerated answers: data.num_train = 256 + N);
+or target-written rows alone, from a pack (train/data/pack.py, `--pack`): `pack` (its N first
+answer tokens, data.pack_tokens, both sources), `packself` / `packpool` (one source alone).
+`--passes P` replaces the fixed step budget: each point trains the steps P passes over its
+own rows take (rows / train.batch_size of the recipe), so a larger point trains longer.
 The x axis is what the run actually trained on, `data_stats.trained_tokens` (the pool of
 unique label tokens), the y axes the held-out first-position acceptance, top-1 agreement
 (greedy) and sum min(p, q) at T = 1. Extra `KEY=VALUE` arguments after `--` go to every run.
@@ -21,7 +27,9 @@ summary.json exists is read, not run again, so an interrupted curve resumes. Wri
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -33,12 +41,18 @@ import matplotlib
 matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 
+from train.data.pack import resolve_pack  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 STREAM_KEYS = {
     "regen": "data.num_train",
     "raw": "data.num_raw_chunks",
     "reference": "data.num_reference",
+    "pack": "data.pack_tokens",
+    "packself": "data.pack_tokens",
+    "packpool": "data.pack_tokens",
 }
+PACK_SOURCES = {"pack": "[self,pool]", "packself": "[self]", "packpool": "[pool]"}
 BASE_TRAIN = 256  # the recipe's regenerated answers (conf/data/default.yaml: num_train)
 
 
@@ -51,7 +65,20 @@ def parse_point(text: str) -> tuple[str, int]:
     return stream, int(n)
 
 
-def run_point(stream: str, n: int, steps: int, seed: int, runs: Path, extra: list[str]) -> dict:
+def pack_rows(pack: Path, stream: str, tokens: int) -> int:
+    """How many rows a run with data.pack_tokens=`tokens` of `stream`'s sources trains."""
+    sources = PACK_SOURCES[stream].strip("[]").split(",")
+    rows = seen = 0
+    with gzip.open(pack / "conversations.jsonl.gz", "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["source"] in sources and seen < tokens:
+                rows, seen = rows + 1, seen + len(row["answer_ids"])
+    return rows
+
+
+def run_point(stream: str, n: int, steps: int, seed: int, runs: Path, extra: list[str],
+              pack: Path | None = None) -> dict:  # fmt: skip
     """One run (or its existing summary): the held-out proxy at the end and the data's size."""
     run_dir = runs / f"{stream}_{n}_s{steps}" / f"seed{seed}"
     summary_path = run_dir / "summary.json"
@@ -62,7 +89,10 @@ def run_point(stream: str, n: int, steps: int, seed: int, runs: Path, extra: lis
             "train.time_budget_s=null", f"train.steps={steps}", "train.eval_at_ckpt=false",
             "train.feature_cache=false", f"{STREAM_KEYS[stream]}={value}", *extra,
         ]  # fmt: skip
-        if stream != "regen":
+        if stream in PACK_SOURCES:
+            overrides += [f"data.pack={pack}", "data.num_train=0",
+                          f"data.pack_sources={PACK_SOURCES[stream]}"]  # fmt: skip
+        elif stream != "regen":
             overrides.append(f"data.num_train={BASE_TRAIN}")
         print(f"[curve] {stream}:{n} seed {seed}: train.py {' '.join(overrides)}", flush=True)
         started = time.perf_counter()
@@ -81,10 +111,11 @@ def run_point(stream: str, n: int, steps: int, seed: int, runs: Path, extra: lis
         "sim_tau_greedy": held["heldout/sim_tau_greedy"], "sim_tau_T1": held["heldout/sim_tau_T1"],
         "oov_share": held["heldout/oov_share"], "train_s": summary["train_s"],
         "run_dir": str(run_dir),
-    }  # fmt: skip
+    } | ({"val_top1_1": held["val/top1"][0], "val_alpha_T1_1": held["val/alpha_T1"][0]}
+         if "val/top1" in held else {})  # fmt: skip
 
 
-def plot(points: list[dict], steps: int, path: Path) -> None:
+def plot(points: list[dict], budget: str, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, key, title in (
         (axes[0], "top1_1", "greedy: top-1 agreement, 1st draft"),
@@ -96,13 +127,15 @@ def plot(points: list[dict], steps: int, path: Path) -> None:
             )
             xs = sorted({p["trained_tokens"] for p in mine})
             means = [statistics.mean(p[key] for p in mine if p["trained_tokens"] == x) for x in xs]
-            line = ax.plot(xs, means, marker="o", label=f"256 regenerated + {stream}")[0]
+            label = f"pack: {PACK_SOURCES[stream]}" if stream in PACK_SOURCES else (
+                f"256 regenerated + {stream}")  # fmt: skip
+            line = ax.plot(xs, means, marker="o", label=label)[0]
             ax.scatter([p["trained_tokens"] for p in mine], [p[key] for p in mine], s=12,
                        color=line.get_color(), alpha=0.5)  # fmt: skip
         ax.set_xscale("log")
         ax.set(xlabel="unique trained tokens (data_stats.trained_tokens)", title=title)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"held-out acceptance after {steps} steps")
+    axes[0].set_ylabel(f"held-out acceptance after {budget}")
     axes[0].legend(fontsize=8)
     fig.suptitle(
         "EAGLE-3 head on SmolLM2-135M: held-out acceptance against unique tokens", fontsize=10
@@ -117,6 +150,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--passes",
+        type=float,
+        default=None,
+        help="instead of --steps: the steps this many passes over a point's rows take",
+    )
+    parser.add_argument("--pack", type=Path, default=None, help="the pack of pack* points")
+    parser.add_argument("--batch-size", type=int, default=4, help="the recipe's train.batch_size")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument(
         "--points", nargs="+", default=["regen:0", "raw:180", "raw:680", "raw:2400"]
@@ -128,16 +169,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("extra", nargs="*", help="KEY=VALUE overrides for every run (after --)")
     args = parser.parse_args(argv)
     todo = [parse_point(p) for p in args.points]  # all refused before the first run
+    if args.passes is not None and any(s not in PACK_SOURCES for s, _ in todo):
+        parser.error("--passes counts a pack's rows: pack / packself / packpool points only")
+    if any(s in PACK_SOURCES for s, _ in todo):
+        args.pack = resolve_pack(str(args.pack) if args.pack else "builtin")
+
+    def steps_of(stream: str, n: int) -> int:
+        if args.passes is None:
+            return args.steps
+        return max(1, math.ceil(args.passes * pack_rows(args.pack, stream, n) / args.batch_size))
+
     points = [
-        run_point(s, n, args.steps, seed, args.runs, args.extra)
+        run_point(s, n, steps_of(s, n), seed, args.runs, args.extra, args.pack)
         for seed in args.seeds
         for s, n in todo
     ]
+    budget = f"{args.passes:g} pass(es)" if args.passes is not None else f"{args.steps} steps"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "curve.json").write_text(
-        json.dumps({"steps": args.steps, "points": points}, indent=2)
+        json.dumps({"steps": args.steps, "passes": args.passes, "points": points}, indent=2)
     )
-    plot(points, args.steps, args.out / "curve.png")
+    plot(points, budget, args.out / "curve.png")
     for p in points:
         print(f"{p['stream']:>9}:{p['n']:<5} seed {p['seed']}  {p['trained_tokens']:>8} tokens  "
               f"top-1 {p['top1_1']:.3f}  alpha T=1 {p['alpha_T1_1']:.3f}  "

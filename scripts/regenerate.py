@@ -19,16 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
+from train.compose import compose_target_data
 from train.data.prepare import prepare_data
 from train.data.sources import check_source
 from train.formats.export import load_target
 from train.settings import check_regen_backend
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,33 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the stats here")
     args = parser.parse_args(argv)
 
-    # Compose just the two groups this needs (train.yaml also pulls draft/optim/...).
-    chosen = {"target": "smollm2_135m", "data": "default", "device": "auto"}
-    rest = []
-    for o in args.overrides:
-        key, _, value = o.partition("=")
-        if key in chosen:
-            chosen[key] = value
-        else:
-            rest.append(o)
-    for group in ("target", "data"):  # Hydra's own message lists its whole search path
-        if not (ROOT / "conf" / group / f"{chosen[group]}.yaml").is_file():
-            known = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
-            raise ValueError(
-                f"{group}={chosen[group]}: there is no conf/{group}/{chosen[group]}.yaml; "
-                f"conf/{group} has {known}"
-            )
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
         raise ValueError(f"--json {args.json}: give a file in an existing directory")
-    overrides = [f"+{k}={v}" for k, v in chosen.items()] + rest
-    try:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-            cfg = compose(config_name=None, overrides=overrides)
-    except HydraException as err:
-        raise ValueError(
-            f"{err} (the arguments are overrides of the target and data groups only: "
-            "target=NAME data=NAME data.KEY=VALUE target.KEY=VALUE device=cpu; no +experiment=)"
-        ) from None
+    cfg = compose_target_data(args.overrides)
     check_source(cfg.data.source)  # a missing or empty file, before the target loads
     check_regen_backend(cfg.data)  # the backend's settings, likewise
 

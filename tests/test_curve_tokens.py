@@ -60,3 +60,35 @@ def test_a_bad_point_is_refused_before_any_run(tmp_path):
     with pytest.raises(ValueError, match="expected STREAM:N"):
         curve.main(["--points", "regen:0", "books:5", "--runs", str(tmp_path)])
     assert not any(tmp_path.iterdir())
+
+
+def test_pack_points_train_one_pass_over_their_own_rows(tmp_path, monkeypatch):
+    """--passes 1 with pack points: each point's step budget is its rows (the pack's first
+    rows of its sources until the answer tokens reach N) over the batch size, and each run
+    gets the pack, its token cap and sources, and no regenerated rows."""
+    from train.data.pack import write_pack
+
+    rows = [{"source": "self" if i % 2 else "pool", "category": "x", "group": f"g{i}",
+             "prompt": f"p{i}", "answer_ids": [1] * 10, "finished": True} for i in range(40)]  # fmt: skip
+    write_pack(tmp_path / "pack", rows, {"target": "t"})
+    assert curve.pack_rows(tmp_path / "pack", "pack", 95) == 10  # 10 rows reach 95 tokens
+    assert curve.pack_rows(tmp_path / "pack", "packself", 200) == 20  # every self row
+    launched = []
+
+    def fake_run(cmd, check, cwd):
+        run_dir = Path(next(a for a in cmd if a.startswith("run_dir=")).removeprefix("run_dir="))
+        launched.append(cmd)
+        _summary(run_dir, 1000, 0.5, 0.4)
+
+    monkeypatch.setattr(curve.subprocess, "run", fake_run)
+    points = curve.main(["--passes", "1", "--pack", str(tmp_path / "pack"), "--points",
+                         "pack:95", "packself:200", "--runs", str(tmp_path / "runs"),
+                         "--out", str(tmp_path / "out")])  # fmt: skip
+    steps = [
+        int(next(a for a in c if a.startswith("train.steps=")).split("=")[1]) for c in launched
+    ]
+    assert steps == [3, 5]  # ceil(10 / 4), 20 / 4
+    assert "data.num_train=0" in launched[0] and "data.pack_sources=[self]" in launched[1]
+    assert "data.pack_tokens=95" in launched[0] and len(points) == 2
+    with pytest.raises(SystemExit):  # a step budget from passes needs pack points
+        curve.main(["--passes", "1", "--points", "regen:0", "--runs", str(tmp_path / "r2")])

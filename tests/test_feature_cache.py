@@ -232,3 +232,27 @@ def test_rows_must_match_the_cache(tmp_path):
         fc.cached_target_output(cache, target, [0, 2], batch)
     with pytest.raises(ValueError, match="permutation"):
         fc.build_feature_cache(target, rows, (1,), tmp_path, order=[0, 0, 1], progress=False)
+
+
+def test_feature_noise_perturbs_the_taps_within_their_rms_and_never_the_labels():
+    """train.feature_noise (train/step.py: noisy_features): each tap plus uniform noise of at
+    most scale x its per-position RMS, spread over that whole range, drawn from the global
+    generator (a resumed run draws the same); the logits are the same tensor; 0 is a no-op."""
+    from models.target import TargetOutput
+    from train.step import noisy_features
+
+    g = torch.Generator().manual_seed(0)
+    hidden = {2: 3.0 * torch.randn(2, 5, 64, generator=g), -1: torch.randn(2, 5, 64, generator=g)}
+    out = TargetOutput(logits=torch.randn(2, 5, 11, generator=g), hidden=hidden, cache=None)
+    assert noisy_features(out, 0.0) is out
+    torch.manual_seed(1)
+    noisy = noisy_features(out, 0.1)
+    torch.manual_seed(1)
+    again = noisy_features(out, 0.1)
+    assert noisy.logits is out.logits
+    for layer, h in hidden.items():
+        rms = h.pow(2).mean(-1, keepdim=True).sqrt()
+        ratio = (noisy.hidden[layer] - h) / (0.1 * rms)  # in [-1, 1], spread over it
+        assert ratio.abs().max() <= 1 + 1e-5 and ratio.abs().max() > 0.9
+        assert ratio.mean().abs() < 0.1
+        assert torch.equal(noisy.hidden[layer], again.hidden[layer])

@@ -79,10 +79,18 @@ class HeldOut:
     setup: StepSetup  # the run's: samplings, offsets, loss, autocast
     k: int  # decode.k: simulated tau counts k drafts a round
     outputs: list[TargetOutput] = field(default_factory=list)  # logits=None: rebuilt per record
+    prefix: str = PREFIX  # the record's keys: "heldout/" (eval prompts), "val/" (data.pack_val)
 
     @classmethod
     def from_rows(
-        cls, rows: list[dict], pad_id: int, batch_size: int, device, setup: StepSetup, k: int
+        cls,
+        rows: list[dict],
+        pad_id: int,
+        batch_size: int,
+        device,
+        setup: StepSetup,
+        k: int,
+        prefix: str = PREFIX,
     ) -> HeldOut:
         if not rows:
             raise ValueError(
@@ -92,7 +100,7 @@ class HeldOut:
             )
         chunks = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
         batches = [{n: v.to(device) for n, v in collate(c, pad_id).items()} for c in chunks]
-        return cls(batches, setup, k)
+        return cls(batches, setup, k, prefix=prefix)
 
     @torch.no_grad()
     def _target_outputs(self, target: Target, hidden_layers: tuple[int, ...]) -> None:
@@ -105,7 +113,7 @@ class HeldOut:
 
     @torch.no_grad()
     def record(self, draft: torch.nn.Module, target: Target) -> dict:
-        """The proxy on the held-out rows: `heldout/`-prefixed keys of a train record (α, top-1
+        """The proxy on the held-out rows: `prefix`ed keys of a train record (α, top-1
         and loss per offset, sim_tau, sim_tau_greedy, per T > 0 decode sampling alpha_<tag>
         and sim_tau_<tag>) plus `heldout/positions` and `heldout/seconds`. `draft` is the
         whole (unsharded) draft; each module's training mode is restored."""
@@ -143,7 +151,7 @@ class HeldOut:
         rec = window.flush(0, 0.0, self.k, list(setup.offsets))
         keep = ("loss_per_offset", "alpha", "top1", "sim_tau", "sim_tau_greedy", "oov_share")
         keep += tuple(f"{kind}_{tag}" for tag in tags for kind in ("alpha", "sim_tau"))
-        held = {PREFIX + key: rec[key] for key in keep}
-        held[PREFIX + "positions"] = sum(int(b["loss_mask"].sum()) for b in self.batches)
-        held[PREFIX + "seconds"] = round(time.perf_counter() - started, 2)
+        held = {self.prefix + key: rec[key] for key in keep}
+        held[self.prefix + "positions"] = sum(int(b["loss_mask"].sum()) for b in self.batches)
+        held[self.prefix + "seconds"] = round(time.perf_counter() - started, 2)
         return held

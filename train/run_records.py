@@ -58,7 +58,7 @@ def checkpoint_and_evaluate(
     cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, draft, core: DraftModel,
     optimizer, scheduler, replay: Replay | None, target: Target, prepared: PreparedData,
     records: RunRecords, log: RunLog, step: int, last: bool, train_s: float, loss: float,
-    heldout: HeldOut | None = None,
+    heldout: list[HeldOut] | None = None,
 ) -> None:  # fmt: skip
     """Checkpoint `step` (every rank takes part in the gathers; the main rank writes), its
     held-out proxy (train.heldout_proxy: the main rank, seconds) and, when due, its
@@ -85,7 +85,7 @@ def checkpoint_and_evaluate(
     with eval_draft(strategy, core) as full:  # under FSDP every rank streams the weights in
         if heldout is not None and accelerator.is_main_process:
             rng = rng_state()  # a draft that samples positions (DFlash) must not shift training's
-            held = heldout.record(full, target)
+            held = {k: v for proxy in heldout for k, v in proxy.record(full, target).items()}
             set_rng_state(rng)
             records.last_heldout = {"step": step, "train_s": round(train_s, 2), **held}
             log.write({"kind": "heldout", **records.last_heldout})

@@ -161,10 +161,11 @@ def make_replay(
 
 def heldout_proxy(
     cfg: DictConfig, target: Target, prepared: PreparedData, setup: StepSetup
-) -> HeldOut | None:
+) -> list[HeldOut] | None:
     """train.heldout_proxy: the eval prompts with the target's greedy answers, as long as the
     decoder's (train/heldout.py), answered by the target as it trains (its dtype now: no
-    copy in another); every rank answers its share."""
+    copy in another; every rank answers its share), and the validation rows a pack holds out
+    (data.pack_val: `val/` keys), the ones recipe decisions read."""
     if not cfg.train.get("heldout_proxy"):
         return None
     data = cfg.data
@@ -176,7 +177,9 @@ def heldout_proxy(
         chat_template=resolve_chat_template(target.tokenizer, data.get("chat_template")),
         progress=bool(data.get("progress", True)), ranks=Ranks.current(),
     )  # fmt: skip
-    return HeldOut.from_rows(
-        rows, target.tokenizer.pad_token_id, int(cfg.train.batch_size), target.device, setup,
-        int(cfg.decode.k),
-    )  # fmt: skip
+    pad, size, k = target.tokenizer.pad_token_id, int(cfg.train.batch_size), int(cfg.decode.k)
+    proxies = [HeldOut.from_rows(rows, pad, size, target.device, setup, k)]
+    if prepared.val_rows:
+        proxies.append(HeldOut.from_rows(prepared.val_rows, pad, size, target.device, setup, k,
+                                         prefix="val/"))  # fmt: skip
+    return proxies

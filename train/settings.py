@@ -25,6 +25,7 @@ from decoding.tree import TreeSpec
 from decoding.verify import check_sampling
 from models.dtypes import resolve_dtype
 from models.target import Target
+from train.data.pack import resolve_pack
 from train.data.prompt_file import spread
 from train.data.regen_openai import check_backend_settings
 from train.data.sources import check_source
@@ -226,7 +227,8 @@ def check_regen_backend(data: DictConfig) -> None:
 
 
 def check_data_reading(data: DictConfig) -> None:
-    """data.bad_rows, data.num_proc, data.regenerate_turns (train/data/local_source.py, turns.py)."""
+    """data.bad_rows, data.num_proc, data.regenerate_turns (train/data/local_source.py, turns.py),
+    data.self_prompts and the pack settings (train/data/self_prompts.py, pack.py)."""
     choices = {"bad_rows": ("skip", "refuse"), "regenerate_turns": ("last", "all")}
     for key, allowed in choices.items():
         if data.get(key, allowed[0]) not in allowed:
@@ -234,6 +236,16 @@ def check_data_reading(data: DictConfig) -> None:
     procs = data.get("num_proc")
     if procs is not None and not (isinstance(procs, int) and procs >= 1):
         raise ValueError(f"data.num_proc={procs!r}: a number of processes >= 1, or null (the CPUs)")
+    count = data.get("self_prompts", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"data.self_prompts={count!r}: a number of requests to draw >= 0")
+    resolve_pack(data.get("pack"))  # a missing pack: refused before the target loads
+    tokens = data.get("pack_tokens")
+    if tokens is not None and not (isinstance(tokens, int) and tokens > 0):
+        raise ValueError(f"data.pack_tokens={tokens!r}: a number of answer tokens > 0, or null")
+    sources = list(data.get("pack_sources", ["self", "pool"]) or [])
+    if not sources or set(sources) - {"self", "pool"}:
+        raise ValueError(f"data.pack_sources={sources}: a non-empty list of self and/or pool")
 
 
 def check_unset(cfg: DictConfig) -> None:

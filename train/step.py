@@ -73,6 +73,7 @@ class StepSetup:
     # bf16 autocast of the draft's forward and loss, applied here: train.bf16=auto on a CPU
     # where it measured faster (train/machine.py). train.bf16=true is accelerate's autocast.
     autocast: bool = False
+    feature_noise: float = 0.0  # train.feature_noise: `noisy_features`' scale, 0 = off
 
     @classmethod
     def from_config(cls, cfg: DictConfig, offsets: list[int]) -> StepSetup:
@@ -83,6 +84,7 @@ class StepSetup:
         return cls(
             loss, list(offsets), samplings, float(tc.offset_decay),
             bool(tc.get("mask_out_of_vocab", False)), tc.get("max_grad_norm"),
+            feature_noise=float(tc.get("feature_noise", 0.0)),
         )  # fmt: skip
 
 
@@ -325,7 +327,9 @@ def train_step(
             )
     for a, b in enumerate(micro):
         t0 = time.perf_counter()
-        t_out = target_output(target, core, b, rows[a], features)
+        t_out = noisy_features(
+            target_output(target, core, b, rows[a], features), setup.feature_noise
+        )
         if t_out.logits.is_cuda:
             torch.cuda.synchronize()
         target_s += time.perf_counter() - t0
@@ -348,6 +352,23 @@ def train_step(
     loss_value = float(sum(weights[i] * stats.loss[i] / counts[i] for i in range(n_off)))
     loss_value += float(stats.aux)
     return StepResult(stats, counts, loss_value, float(grad_norm), target_s)
+
+
+def noisy_features(out: TargetOutput, scale: float) -> TargetOutput:
+    """EAGLE's feature augmentation: each tap the draft reads plus uniform noise U(-a, a) per
+    element, a = `scale` x that position's RMS over the hidden size (the same setting
+    perturbs every layer alike, whatever its magnitude), so the draft learns from features a
+    little off the ones the target computed, as its own drafted features are at decode time;
+    the target's logits (the labels) are untouched. EAGLE's own (U(-0.1, 0.1) x 512 / T)
+    scales with the row's length instead. scale 0: `out` itself."""
+    if scale <= 0:
+        return out
+    hidden = {}
+    for layer, h in out.hidden.items():  # [B, T, H] each
+        rms = h.float().pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, 1]
+        noise = (torch.rand_like(h, dtype=torch.float32) * 2 - 1) * scale * rms
+        hidden[layer] = (h.float() + noise).to(h.dtype)
+    return TargetOutput(logits=out.logits, hidden=hidden, cache=out.cache)
 
 
 def target_output(

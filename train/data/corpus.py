@@ -265,6 +265,14 @@ def held_out(group: str, seed: int, fraction: float = 0.1) -> bool:
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
+def held_out_prompts(seed: int) -> list[str]:
+    """The user text of every candidate prompt of every group `seed` holds out for
+    evaluation (all the stdlib files, not only data.stdlib_files): what a pack built for
+    this seed must never contain (train/data/pack.py)."""
+    candidates = humaneval_prompts() + play_prompts() + stdlib_prompts(10**9, seed)
+    return [c["messages"][-1]["content"] for c in candidates if held_out(c["group"], seed)]
+
+
 def _pick(
     candidates: list[dict],
     from_held_out: bool,

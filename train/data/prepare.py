@@ -14,8 +14,9 @@ from/value) or OpenAI (`messages` with role/content) form (train/data/sources.py
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -23,16 +24,18 @@ import torch
 from torch import Tensor
 
 from decoding.rounds import check_context
-from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.target import Target
-from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
+from train.data.chat import resolve_chat_template, tokenize_conversation
 from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
-from train.data.local_source import ROW_FEATURES, read_source, tokenize_rows
+from train.data.local_source import read_source, tokenize_rows
+from train.data.pack import load_pack, resolve_pack
+from train.data.prompt_file import BUILTIN_OOD
 from train.data.raw_chunks import raw_chunks_for
 from train.data.regen_openai import check_backend_settings, regenerate_openai
-from train.data.regenerate import default_cache_root
+from train.data.regenerate import default_cache_root, regen_dtype_choice
 from train.data.regenerate import regenerate as regenerate_responses
-from train.data.row_selection import RowScan, held_out_split, pick_rows
+from train.data.row_selection import RowScan, held_out_split, pick_rows, rows_dataset
+from train.data.self_prompts import self_conversations
 from train.data.turns import regenerate_every_turn
 from train.ranks import Ranks
 
@@ -43,6 +46,7 @@ class PreparedData:
     eval_prompts: list[dict]  # category, messages, input_ids, group
     token_counts: Tensor  # [V] counts of trained label tokens
     stats: dict
+    val_rows: list[dict] = field(default_factory=list)  # data.pack_val: input_ids, loss_mask
 
 
 # ---------------------------------------------------------------------------------
@@ -67,22 +71,6 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, Tensor]:
 # ---------------------------------------------------------------------------------
 # The entry point
 # ---------------------------------------------------------------------------------
-
-
-def regen_dtype_choice(
-    target: Target, setting: str, items: list[dict], rows: int, max_new_tokens: int,
-    cache_dir: str | None,
-) -> DtypeChoice:  # fmt: skip
-    """data.regen_dtype, or with "auto" the faster dtype for batched generation on this
-    machine (models/dtype_choice.py): one step of `rows` rows over a cache as long as a
-    typical prompt plus half an answer (rounded to 32 tokens, so similar data share a key)."""
-    prompt = sorted(len(it["ids"]) for it in items)[len(items) // 2]
-    cached = max(32, 32 * round((prompt + max_new_tokens / 2) / 32))
-    shapes = {"target": target.name, "rows": rows, "new": 1, "cached": cached}
-    return choose_dtype(
-        "regenerate", setting, shapes,
-        lambda dtype: time_forward(target, dtype, rows, 1, cached), target.device, cache_dir,
-    )  # fmt: skip
 
 
 def prepare_data(
@@ -115,6 +103,11 @@ def prepare_data(
     chat_template: str | None = None,
     bad_rows: str = "skip",
     num_proc: int | None = None,
+    self_prompts: int = 0,
+    pack: str | None = None,
+    pack_tokens: int | None = None,
+    pack_sources: tuple[str, ...] = ("self", "pool"),
+    pack_val: int = 0,
     progress: bool = True,
     ranks: Ranks | None = None,
 ) -> PreparedData:
@@ -131,6 +124,14 @@ def prepare_data(
     A local source is read and tokenized once into Arrow shards under the cache and
     memory-mapped (train/data/local_source.py): `bad_rows` (skip | refuse) says what a damaged
     row does, `num_proc` how many processes tokenize (None: the CPUs over the ranks).
+
+    Target-written rows beside them: `self_prompts` requests the target writes itself
+    (train/data/self_prompts.py; drawn, filtered, then answered by regeneration as the
+    others: stream "self"), and `pack` (null | builtin | a directory: train/data/pack.py),
+    conversations a pack holds, trained as they are (stream "pack"; `pack_tokens` answer
+    tokens of it at most, from `pack_sources`, after its first `pack_val` conversations: the
+    validation rows, `val_rows`, never trained). Neither ever holds an eval prompt or an
+    out-of-domain prompt, nor a near-copy of one.
 
     `ranks` (train/ranks.py): every rank of a run calls this and answers its share of the
     prompts; rank 0 picks the regeneration dtype for all of them; every rank gets the
@@ -190,7 +191,12 @@ def prepare_data(
     local_rows, local_order, local_used = None, [], 0  # a local source's rows, on disk
     if source == "embedded":
         train_convs, eval_convs, extra = embedded_conversations(
-            num_train or 10**9, num_eval, seed, fits, not regenerate, stdlib_files
+            10**9 if num_train is None else num_train,
+            num_eval,
+            seed,
+            fits,
+            not regenerate,
+            stdlib_files,
         )
         stats.update(extra)
     else:  # read once into Arrow shards (train/data/local_source.py), rows fetched by index
@@ -221,13 +227,21 @@ def prepare_data(
                 conv_key, tok, template, end_tokens, max_len, cache_root, num_proc, ranks, progress
             )  # fmt: skip
 
+    # What no target-written row may hold: the eval prompts and the out-of-domain prompts.
+    protected = [m["content"] for c in eval_convs for m in c["messages"] if m["role"] == "user"]
+    protected += [json.loads(line)["prompt"] for line in BUILTIN_OOD.read_text().splitlines()]
+    self_convs = []
+    if self_prompts:  # requests the target writes itself: answered below as the others
+        self_convs, stats["self_prompts"] = self_conversations(
+            target, self_prompts, template, protected, seed=seed, cache_dir=cache_dir,
+            dtype=regen_dtype, batch_size=regen_batch_size, progress=progress, ranks=ranks,
+        )  # fmt: skip
+
     # Prompt = everything before the last assistant turn: the answer regeneration replaces.
     # Embedded prompts without a source answer are `prompt_only`: regeneration answers them.
     items = []
-    for c in train_convs:
-        if num_train and len(items) == num_train:
-            break
-        local_used += 1
+
+    def add(c: dict) -> None:
         msgs = c["messages"]
         if c.get("prompt_only") and every_turn:  # its one answer still to come
             msgs = c["messages"] = [*msgs, {"role": "assistant", "content": ""}]
@@ -240,18 +254,25 @@ def prepare_data(
             or prompt[-1]["role"] == "assistant"
         ):
             stats["skipped_no_assistant"] += 1
-            continue
+            return
         try:  # regenerate: prompt tokens (+ the target's answer later); else the whole row
             ids, flags = tokenize(prompt, gen=True) if regenerate else tokenize(msgs)
         except ValueError:  # e.g. a row that opens with an assistant turn
             stats["skipped_template_mismatch"] += 1
-            continue
+            return
         if regenerate and len(ids) > max_prompt:  # no room left for the answer
             stats["skipped_long_prompt"] += 1
-            continue
-        items.append({**c, "ids": ids, "flags": flags, "prompt_messages": prompt})
-    for it in items:
-        it["stream"] = "regen" if regenerate else "source"
+            return
+        items.append({"stream": "regen" if regenerate else "source", **c, "ids": ids,
+                      "flags": flags, "prompt_messages": prompt})  # fmt: skip
+
+    for c in train_convs:
+        if num_train is not None and len(items) >= num_train:  # None: all of them
+            break
+        local_used += 1
+        add(c)
+    for c in self_convs if regenerate else ():
+        add(c)
 
     if regenerate and items:
         longest = max_prompt if every_turn else max(len(it["ids"]) for it in items)
@@ -346,7 +367,12 @@ def prepare_data(
             {**c, "stream": "raw"}
             for c in raw_chunks_for(tok, tokenize, max_len, num_raw_chunks, seed)
         ]
-    extra_items = []
+    extra_items, val_items = [], []
+    if pack:  # target-written conversations, trained as they are
+        extra_items, val_items, stats["pack"] = load_pack(
+            resolve_pack(pack), target, template, prompt_ids, protected, pack_tokens,
+            tuple(pack_sources), pack_val,
+        )  # fmt: skip
     for c in extra:
         try:
             ids, flags = tokenize(c["messages"])
@@ -355,26 +381,8 @@ def prepare_data(
             continue
         extra_items.append({**c, "ids": ids, "flags": flags})
 
-    def in_memory(items: list[dict]) -> datasets.Dataset:
-        columns: dict[str, list] = {k: [] for k in ROW_FEATURES}
-        for it in items:
-            ids, flags = it["ids"], it["flags"]
-            if len(ids) > max_len:
-                ids, flags = ids[:max_len], flags[:max_len]
-                stats["truncated"] += 1
-            mask = shift_mask(flags)
-            if sum(mask) == 0:
-                skip = "skipped_truncated_away" if len(ids) == max_len else "skipped_no_assistant"
-                stats[skip] += 1
-                continue
-            columns["input_ids"].append(ids)
-            columns["loss_mask"].append(mask)
-            columns["category"].append(it.get("category", "chat"))
-            columns["group"].append(it["group"])
-            columns["stream"].append(it["stream"])
-        return datasets.Dataset.from_dict(columns, features=ROW_FEATURES)
-
-    parts = [in_memory(items), *local_parts, in_memory(extra_items)]
+    parts = [rows_dataset(items, max_len, stats), *local_parts,
+             rows_dataset(extra_items, max_len, stats)]  # fmt: skip
     train = datasets.concatenate_datasets([p for p in parts if len(p)] or parts[:1])
     if not len(train):
         lost = ", ".join(
@@ -433,4 +441,7 @@ def prepare_data(
             + f"{time.perf_counter() - started:.1f} s",
             flush=True,
         )
-    return PreparedData(train, eval_prompts, counts, stats)
+    val = rows_dataset(val_items, max_len, {"truncated": 0, "skipped_no_assistant": 0,
+                                            "skipped_truncated_away": 0})  # fmt: skip
+    val_rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in val]
+    return PreparedData(train, eval_prompts, counts, stats, val_rows)

@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decoding.drafter import Sampling
+from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from train.data.answer_batch import answer_prompts
@@ -213,11 +214,18 @@ def regenerate(
     chat_template: str | None = None,
     progress: bool = True,
     ranks: Ranks | None = None,
+    keys: list[str] | None = None,
+    stop_ids: list[int] | None = None,
+    desc: str = "regenerate",
 ) -> tuple[list[dict], dict]:
     """Answer each prompt (token ids, chat template applied with the generation prompt;
     `chat_template` is the template used, None = the tokenizer's: part of the cache key).
     `ranks`: with several processes every rank calls this with the same prompts and answers
     its share of the batches (module doc); None = this process alone.
+    `keys`: one hex string per prompt naming its answer in the cache and seeding its sampler
+    (default: a hash of its ids); distinct keys draw distinct samples of one prompt
+    (train/data/self_prompts.py). `stop_ids`: the tokens an answer ends at (default the
+    target's EOS), part of the cache key.
 
     Returns one dict per prompt, in order: `ids` (new tokens, the EOS included when the
     target stopped by itself) and `finished`; plus stats (cache hits, tokens/s; with several
@@ -229,6 +237,8 @@ def regenerate(
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     settings = settings_key(target, max_new_tokens, temperature, top_p, seed, chat_template, dtype)
+    if stop_ids is not None:
+        settings["eos"] = sorted(stop_ids)
     root = Path(cache_dir) if cache_dir else default_cache_root()
     shard_dir = root / "data" / "regen" / _sha(settings)
     if ranks.main:
@@ -236,7 +246,9 @@ def regenerate(
     write_settings(shard_dir, settings, ranks)
     shard = shard_file(shard_dir, ranks.rank)
 
-    keys = [_sha(p) for p in prompts]
+    keys = [_sha(p) for p in prompts] if keys is None else list(keys)
+    if len(keys) != len(prompts):
+        raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts: give one key per prompt")
     done = read_answers(shard_dir)
     ranks.barrier()  # every rank has read the same answers before any rank appends more
     todo = prompts_left(keys, [len(p) for p in prompts], done)
@@ -256,10 +268,10 @@ def regenerate(
         if target.dtype != gen_dtype:  # float32 rotary (models/dtypes.py)
             model = cast_keep_rotary(copy.deepcopy(target.model), gen_dtype)
             answering = Target(model, target.tokenizer, name=target.name)
-        eos = set(target.eos_token_ids)
+        eos = set(settings["eos"])
         pad_id = target.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else target.eos_token_ids[0]
-        bar = tqdm(total=len(share), desc="regenerate", unit="prompt",
+        bar = tqdm(total=len(share), desc=desc, unit="prompt",
                    disable=not (progress and ranks.main))  # fmt: skip
         t0 = time.perf_counter()
         with shard.open("a") as out:
@@ -304,3 +316,19 @@ def regenerate(
         done = read_answers(shard_dir)
     check_all_answered(keys, done, shard_dir)
     return [done[k] for k in keys], stats
+
+
+def regen_dtype_choice(
+    target: Target, setting: str, items: list[dict], rows: int, max_new_tokens: int,
+    cache_dir: str | None,
+) -> DtypeChoice:  # fmt: skip
+    """data.regen_dtype, or with "auto" the faster dtype for batched generation on this
+    machine (models/dtype_choice.py): one step of `rows` rows over a cache as long as a
+    typical prompt plus half an answer (rounded to 32 tokens, so similar data share a key)."""
+    prompt = sorted(len(it["ids"]) for it in items)[len(items) // 2]
+    cached = max(32, 32 * round((prompt + max_new_tokens / 2) / 32))
+    shapes = {"target": target.name, "rows": rows, "new": 1, "cached": cached}
+    return choose_dtype(
+        "regenerate", setting, shapes,
+        lambda dtype: time_forward(target, dtype, rows, 1, cached), target.device, cache_dir,
+    )  # fmt: skip

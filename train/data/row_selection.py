@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 
-from train.data.local_source import OK, STATUS_STATS, text_hash
+from train.data.chat import shift_mask
+from train.data.local_source import OK, ROW_FEATURES, STATUS_STATS, text_hash
 
 
 def pick_rows(
@@ -135,3 +136,27 @@ class RowScan:
                         keep[picked[lo:hi] - start] = True
                         self.add(batch.filter(pa.array(keep)), stream)
                     start = end
+
+
+def rows_dataset(items: list[dict], max_len: int, stats: dict) -> datasets.Dataset:
+    """In-memory training rows from tokenized items (`ids`, per-token assistant `flags`,
+    `group`, `stream`, `category`): cut to `max_len` (`stats["truncated"]` counts them), the
+    mask shifted to what each position predicts; an item left with nothing to train is
+    skipped and counted."""
+    columns: dict[str, list] = {k: [] for k in ROW_FEATURES}
+    for it in items:
+        ids, flags = it["ids"], it["flags"]
+        if len(ids) > max_len:
+            ids, flags = ids[:max_len], flags[:max_len]
+            stats["truncated"] += 1
+        mask = shift_mask(flags)
+        if sum(mask) == 0:
+            skip = "skipped_truncated_away" if len(ids) == max_len else "skipped_no_assistant"
+            stats[skip] += 1
+            continue
+        columns["input_ids"].append(ids)
+        columns["loss_mask"].append(mask)
+        columns["category"].append(it.get("category", "chat"))
+        columns["group"].append(it["group"])
+        columns["stream"].append(it["stream"])
+    return datasets.Dataset.from_dict(columns, features=ROW_FEATURES)
