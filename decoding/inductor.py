@@ -61,7 +61,10 @@ def counts_recordings() -> bool:
 # matmul of a frozen weight through inductor's C++ GEMM template and nothing else, so nothing is
 # benchmarked (a single candidate is taken as it is), and linears that read one input (q/k/v,
 # gate/up) concatenated into one GEMM at freezing. Measured side by side against `default` and
-# `max-autotune-no-cudagraphs` by scripts/bench_compile.py (docs/fastpath.md, "Compile modes").
+# `max-autotune-no-cudagraphs` by scripts/bench_compiled_forward.py (docs/fastpath.md, "Compile
+# modes"). The template packs its weights at freezing: a graph whose weights stay inputs (a
+# draft's, reloaded per checkpoint) has no candidate (NoValidChoicesError) and compiles as
+# `default` (`_backend`).
 MODE_OPTIONS = {
     "cpp-gemm": ("max-autotune-no-cudagraphs",
                  {"max_autotune_gemm_backends": "CPP", "cpp.enable_concat_linear": True}),
@@ -113,7 +116,8 @@ def _backend(mode: str, freeze: bool) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         _memoize_kernel_templates()
-        base, extra = MODE_OPTIONS.get(mode, (mode, {}))
+        unfrozen_cpp = mode == "cpp-gemm" and not freeze  # no packed weights: no template
+        base, extra = ("default", {}) if unfrozen_cpp else MODE_OPTIONS.get(mode, (mode, {}))
         options = {**list_mode_options(base), "freezing": freeze, **extra}
 
         def inner(gm, example_inputs):

@@ -165,6 +165,21 @@ def draft_for(kind: str, target: Target) -> tuple[torch.nn.Module, TreeSpec | No
     return mtp.from_target(target, num_depths=2), None
 
 
+def test_cpp_gemm_compiles_a_target_and_a_drafter_that_equal_eager(target):
+    """The CPU's mode, cpp-gemm: the target's frozen weights through the C++ GEMM template,
+    the EAGLE drafter's unfrozen ones (no template candidate: they compile as `default`); the
+    decode is the eager one, token for token and round for round."""
+    draft, tree = draft_for("eagle", target)
+    hidden_layers = make_drafter(draft, target).hidden_layers
+    compiled = CompiledTarget(target, 64, (1, 4), hidden_layers, "cpp-gemm")
+    compiled.warmup()
+    eager_drafter, compiled_drafter = make_drafter(draft, target), make_drafter(draft, compiled)
+    ids = prompts(1, seed=9)[0]
+    kw = dict(k=3, max_new_tokens=12, eos_token_ids=[])
+    eager = generate(target, ids, eager_drafter, **kw)
+    assert record(generate(compiled, ids, compiled_drafter, **kw)) == record(eager)
+
+
 @pytest.mark.parametrize(
     "kind", ["draft_lm", "eagle", "eagle_tree", "medusa", "medusa_tree", "mtp", "dflash"]
 )
