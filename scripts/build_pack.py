@@ -33,7 +33,7 @@ from train.compose import compose_target_data
 from train.data.chat import resolve_chat_template, tokenize_conversation
 from train.data.corpus import embedded_conversations, held_out_prompts
 from train.data.pack import git_commit, template_hash, write_pack
-from train.data.prompt_file import BUILTIN_OOD
+from train.data.prompt_file import BUILTIN_OOD, ood_prompt_texts
 from train.data.regenerate import regen_dtype_choice, regenerate
 from train.data.self_prompts import NearCopies, self_prompts
 from train.formats.export import load_target
@@ -67,9 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         return len(prompt_ids(messages)) <= max_prompt
 
     seed, cache = data["seed"], data["cache_dir"]
-    protected = held_out_prompts(seed) + [
-        json.loads(line)["prompt"] for line in BUILTIN_OOD.read_text().splitlines()
-    ]
+    protected = held_out_prompts(seed) + ood_prompt_texts()
     guard = NearCopies(protected)
     convs, drawn = [], None
     if args.pool:

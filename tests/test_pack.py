@@ -186,12 +186,10 @@ def test_the_shipped_pack_holds_no_eval_or_ood_prompt_nor_a_near_copy():
     nor of an out-of-domain prompt; it holds at least the ~300k answer tokens one pass of the
     first run's training budget uses."""
     from train.data.corpus import held_out_prompts
-    from train.data.prompt_file import BUILTIN_OOD
+    from train.data.prompt_file import ood_prompt_texts
 
     manifest, rows = read_manifest(BUILTIN), read_rows(BUILTIN)
-    protected = held_out_prompts(0) + [
-        json.loads(line)["prompt"] for line in BUILTIN_OOD.read_text().splitlines()
-    ]
+    protected = held_out_prompts(0) + ood_prompt_texts()
     guard = NearCopies(protected)
     assert not [r["prompt"] for r in rows if guard.near(r["prompt"])]
     assert manifest["answer_tokens"] == sum(len(r["answer_ids"]) for r in rows) >= 300_000

@@ -14,7 +14,6 @@ from/value) or OpenAI (`messages` with role/content) form (train/data/sources.py
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from train.data.chat import resolve_chat_template, tokenize_conversation
 from train.data.corpus import CATEGORIES, embedded_conversations, reference_conversations
 from train.data.local_source import read_source, tokenize_rows
 from train.data.pack import load_pack, resolve_pack
-from train.data.prompt_file import BUILTIN_OOD
+from train.data.prompt_file import ood_prompt_texts
 from train.data.raw_chunks import raw_chunks_for
 from train.data.regen_openai import check_backend_settings, regenerate_openai
 from train.data.regenerate import default_cache_root, regen_dtype_choice
@@ -229,7 +228,7 @@ def prepare_data(
 
     # What no target-written row may hold: the eval prompts and the out-of-domain prompts.
     protected = [m["content"] for c in eval_convs for m in c["messages"] if m["role"] == "user"]
-    protected += [json.loads(line)["prompt"] for line in BUILTIN_OOD.read_text().splitlines()]
+    protected += ood_prompt_texts()
     self_convs = []
     if self_prompts:  # requests the target writes itself: answered below as the others
         self_convs, stats["self_prompts"] = self_conversations(

@@ -20,6 +20,11 @@ from train.data.chat import resolve_chat_template, tokenize_conversation
 BUILTIN_OOD = Path(__file__).with_name("ood_prompts.jsonl")
 
 
+def ood_prompt_texts() -> list[str]:
+    """The builtin out-of-domain prompts' user texts: what no training row may copy."""
+    return [json.loads(line)["prompt"] for line in BUILTIN_OOD.read_text().splitlines()]
+
+
 def spread(prompts: list, num: int | None) -> list:
     """`num` of `prompts` (None or more than there are: all) spread evenly over the list, in
     its order: eval prompts and the builtin OOD file come in blocks of one kind, so their first
