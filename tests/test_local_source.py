@@ -157,6 +157,7 @@ data = prepare_data(build_tiny_random(seed=0, device="cpu"), source=sys.argv[1],
                     num_proc=1, ranks=Ranks.current())
 out = {"written": written, "groups": list(data.train["group"]), "ids": list(data.train["input_ids"])}
 open(sys.argv[3] + f".{dist.get_rank()}", "w").write(json.dumps(out))
+dist.barrier()  # no rank tears gloo down while another still uses it
 dist.destroy_process_group()
 """
 

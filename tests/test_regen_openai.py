@@ -265,6 +265,7 @@ data = prepare_data(load_smollm2(dtype="float32", device="cpu"), source="{src}",
                     ranks=Ranks.current(), **openai_data("{url}"))
 out = {{"ids": list(data.train["input_ids"]), "by_rank": data.stats["regen"]["by_rank"]}}
 Path("{cache}", f"rank{{dist.get_rank()}}.json").write_text(json.dumps(out))
+dist.barrier()  # no rank tears gloo down while another still uses it
 dist.destroy_process_group()
 """
 
