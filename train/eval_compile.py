@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from decoding.compiled import CompiledTarget
 from decoding.drafter import Drafter
-from decoding.drafters import make_drafter
+from decoding.drafters import drafter_class, make_drafter
 from decoding.drafters.lookup import with_lookup
 from decoding.timing import forward_seconds
 from decoding.tree import TreeSpec
@@ -47,6 +47,9 @@ def describe_compile(choice: dict, setting: str) -> str:
     """The console's line for `compile_choice`'s record."""
     times = "".join(f", {k} {v:.0f} s" if k in ("compile", "saved at most") else
                     f", {k} {v * 1e3:.1f} ms" for k, v in choice["seconds"].items())  # fmt: skip
+    if choice["source"] == "eager drafter":
+        path = "the AR compiled, " if choice["dtype"] == "compiled" else ""
+        return f"decode path: {path}the speculative decode eager (its drafter decodes eagerly only)"
     if setting == "only":  # compiled whatever the verdict
         return f"decode path: compiled (only; the faster verify: {choice['dtype']}{times})"
     hint = UNMEASURED if choice["source"] == "unmeasured" else ""
@@ -77,10 +80,13 @@ def compiled_decoding(
     """The compiled target and drafter for this checkpoint's `draft_eval`. Built once; later
     checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
     in place: a new module would compile new graphs."""
-    adapted = decode_target is not copies.target  # Medusa-2: weights change per checkpoint
+    adapted = adapts_target(decode_target, copies.target)  # Medusa-2: weights change
+    drafts_compiled = getattr(drafter_class(draft_eval.kind), "compiles", True)
     if copies.compiled is None:
         k = int(dec.k)
         widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
+        if not drafts_compiled:  # the AR's graph alone: the speculative decode runs eagerly
+            widths = (1,)
         if tree is None and dec.get("adaptive_k", False):
             widths += (2 * k + 1,)  # adaptive k reaches 2k
         levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
@@ -92,12 +98,20 @@ def compiled_decoding(
         copies.compiled.warmup()
         lookup = dec.get("lookup_min_match", 0)
         copies.draft = draft_eval
-        copies.drafter = with_lookup(make_drafter(draft_eval, copies.compiled), lookup)
-    else:
+        if drafts_compiled:
+            copies.drafter = with_lookup(make_drafter(draft_eval, copies.compiled), lookup)
+    elif drafts_compiled:
         copies.draft.load_state_dict(draft_eval.state_dict())
         if adapted:
             copies.compiled.model.load_state_dict(decode_target.model.state_dict())
     return copies.compiled, copies.drafter
+
+
+def adapts_target(decode_target: Target, target: Target) -> bool:
+    """Whether a draft's decoding target (DraftModel.decoding_target) has weights of its own
+    (Medusa-2's LoRA), rather than being `target` itself or a view over its weights
+    (a self-speculative draft's SharedCacheTarget: `same_weights`)."""
+    return decode_target is not target and not getattr(decode_target, "same_weights", False)
 
 
 def compile_choice(
@@ -120,6 +134,11 @@ def compile_choice(
     it), on CUDA it compiles to measure (an eager verdict drops the graphs)."""
     setting = compile_setting(dec)
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    if not getattr(drafter_class(draft_eval.kind), "compiles", True):
+        # a drafter that decodes eagerly only (decoding/drafters/selfspec.py): no verify to
+        # compare; compiled means the compiled AR beside the eager speculative decode
+        dtype = "compiled" if setting == "only" else "eager"
+        return DtypeChoice("compile", dtype, "eager drafter", {}, {"draft": draft_eval.kind})
     lengths = sorted(prompt_lengths)
     cached = min(lengths[len(lengths) // 2] + int(dec.max_new_tokens) // 2, max_len - width)
     layers = tuple(drafter.hidden_layers)

@@ -50,7 +50,7 @@ from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import LookupDrafter, with_lookup
 from decoding.inductor import use_compile_cache
-from decoding.metrics import Pass
+from decoding.metrics import Pass, path_of
 from decoding.spec import generate
 from decoding.timing import compiled_forward_seconds
 from decoding.tree import TreeSpec
@@ -62,6 +62,7 @@ from models.target import Target
 from train.data.prompt_file import ood_prompts, spread
 from train.eval_compile import (
     DecodeCopies,
+    adapts_target,
     compile_choice,
     compile_setting,
     compiled_decoding,
@@ -118,7 +119,7 @@ def plan_checkpoint(
     # Medusa-2 trains a LoRA on the target: its drafts are judged against (and lossless
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = draft_eval.decoding_target(target_eval.target)
-    adapted = decode_target is not target_eval.target
+    adapted = adapts_target(decode_target, target_eval.target)
     drafter = with_lookup(make_drafter(draft_eval, decode_target), dec.get("lookup_min_match", 0))
     chosen = spread(eval_prompts, dec.get("num_prompts"))  # over the categories' blocks
     prompts = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in chosen]
@@ -161,7 +162,11 @@ def plan_checkpoint(
         compiled_target, compiled_drafter = compiled_decoding(
             target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
         )  # fmt: skip
+        # a drafter that decodes eagerly only (selfspec) keeps its eager speculative decode,
+        # timed against the compiled AR
         spec = Pass("spec", compiled_target, compiled_drafter)
+        if compiled_drafter is None:
+            spec = Pass("spec", decode_target, drafter)
         passes = [Pass("ar_eager", eager_ar), Pass("ar", compiled_target)]
     else:
         spec = Pass("spec", decode_target, drafter)
@@ -176,7 +181,7 @@ def plan_checkpoint(
     if compiled and dec.get("compile") is True:  # decode.compile=true: the eager one beside it
         passes.append(Pass("eager_spec", decode_target, drafter))
     return CheckpointPlan(target_eval, samplings, passes, [spec, *heads], lookup,
-                          "compiled" if compiled else "eager", prompts, ood, tree,
+                          path_of(spec.target), prompts, ood, tree,
                           max_new_tokens)  # fmt: skip
 
 

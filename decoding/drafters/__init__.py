@@ -9,6 +9,7 @@ the target it decodes with, and keeps its own state between rounds. Files:
     dflash.py    DFlash block drafts (models/dflash.py): a whole chain from one forward, dynamic trees
     domino.py    Domino (models/domino.py): DFlash's forward plus one cheap causal step per token
     draft_lm.py  a standalone draft LM (models/draft_lm.py) or any HF causal LM
+    selfspec.py  the target's own first layers through a trained exit (models/selfspec.py), one KV cache
     ngram.py     prompt lookup, no model (the training-free baseline)
     lookup.py    prompt lookup in front of a trained drafter (decode.lookup_min_match)
     cache.py     the KV-cache bookkeeping the EAGLE and MTP drafters share
@@ -24,6 +25,7 @@ from decoding.drafters.draft_lm import DraftLMDrafter
 from decoding.drafters.eagle import EagleDrafter
 from decoding.drafters.medusa import MedusaDrafter
 from decoding.drafters.mtp import MTPDrafter
+from decoding.drafters.selfspec import SelfSpecDrafter
 from models.protocol import DraftModel
 from models.target import Target
 
@@ -36,6 +38,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "dflash": DFlashDrafter,
     "domino": DominoDrafter,
     "draft_lm": DraftLMDrafter,
+    "selfspec": SelfSpecDrafter,
 }
 
 

@@ -27,6 +27,7 @@ EXPORT_FORMATS: dict[str, tuple[str, ...]] = {
     "dflash": (),  # the learned-mask-vector layout
     "dflash_served": ("speculators",),  # mask_token_id + qk_norm (models/dflash.py)
     "domino": (),
+    "selfspec": (),  # the target's own layers and a trained exit: no engine loads it
 }
 FORMATS = ("hf", "medusa", "vllm-medusa", "eagle", "speculators")
 
@@ -55,6 +56,13 @@ REFUSED: dict[str, str] = {
         "Domino checkpoints are not exported: its backbone is draftlab's DFlash layout, which "
         "no engine loads (see draft=dflash, docs/dflash.md), and no engine format holds its "
         "GRU correction head. Evaluate it with scripts/evaluate.py instead."
+    ),
+    "selfspec": (
+        "self-speculative checkpoints are not exported: no engine loads a trained exit on a "
+        "target's own layers. vLLM has no self-speculative method (its LayerSkip pull request, "
+        "vllm-project/vllm#18994, was closed); transformers' `assistant_early_exit=L` drafts "
+        "from layer L through the model's own final norm and head, with no adapter, which is "
+        "this kind untrained (a zero exit). Evaluate it with scripts/evaluate.py instead."
     ),
 }
 
