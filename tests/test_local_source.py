@@ -218,3 +218,27 @@ def test_a_damaged_json_array_is_refused_at_its_line(tiny, tmp_path):
     path.write_text('[\n{"messages": []},\n{"messages": [}\n]\n')
     with pytest.raises(ValueError, match=r"line 3: not JSON .* cannot be skipped"):
         list(json_records(path))
+
+
+def test_two_runs_reading_one_file_on_one_cache_keep_one_whole_copy(source, tmp_path, monkeypatch):
+    """Stage 1 of two runs at once (here: the second runs whole while the first is between
+    two rows): each writes its own directory; the first to finish is renamed into place and
+    the other drops its copy; what a killed writer of this host left is removed."""
+    _, rows, path = source
+    out = tmp_path / "sources" / "key"
+    out.parent.mkdir()
+    dead = out.with_name(f"{out.name}.tmp-{local_source.socket.gethostname()}-999999999-x")
+    dead.mkdir()  # no process has that pid
+    real, calls = local_source.conversation, []
+
+    def between(row, src):
+        calls.append(1)
+        if len(calls) == 5:  # the other run, start to finish
+            monkeypatch.setattr(local_source, "conversation", real)
+            local_source.write_conversations(str(path), "train", "skip", out, False)
+        return real(row, src)
+
+    monkeypatch.setattr(local_source, "conversation", between)
+    local_source.write_conversations(str(path), "train", "skip", out, False)
+    assert json.loads((out / "info.json").read_text())["rows"] == len(rows)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["key"]  # no copy, no leftover

@@ -1,6 +1,7 @@
 """The training loop on the tiny random target: runs, logs, checkpoints, evaluates, fails early."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,24 @@ def test_resume_without_checkpoint_fails_before_training(tmp_path):
     with pytest.raises(FileNotFoundError, match="resume=true but .* holds no checkpoint"):
         run(compose_debug(tmp_path, "resume=true"))
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_auto_starts_afresh_then_resumes(tmp_path):
+    """resume=auto, one launch line for a preemptible job: a run killed before its first
+    checkpoint (its records, no checkpoint) starts afresh, one with a checkpoint resumes."""
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.0}\n')
+    cfg = compose_debug(tmp_path, "train.eval_at_ckpt=false", "resume=auto", "train.ckpt_every=1")
+    first = run(cfg)
+    assert first["resumed_from"] is None
+    assert [x["loss"] != 9.0 for x in _lines(tmp_path)] == [True, True]  # replaced
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000002")
+    second = run(cfg)
+    assert second["resumed_from"].endswith("step_00000001")
+    assert [x["step"] for x in _lines(tmp_path)] == [1, 2]
+    with pytest.raises(ValueError, match="resume='maybe'"):
+        run(compose_debug(tmp_path, "resume=maybe"))
+    with pytest.raises(ValueError, match="resume=auto and overwrite=true"):
+        run(compose_debug(tmp_path, "resume=auto", "overwrite=true"))
 
 
 def test_existing_checkpoints_need_resume_or_overwrite(tmp_path):

@@ -243,6 +243,22 @@ def _move_aside(ckpt: Path) -> Path:
     return dest
 
 
+def resume_setting(run_dir: Path, resume: bool | str, overwrite: bool) -> tuple[bool, bool]:
+    """`resume` and `overwrite` as booleans. resume=auto is the one launch line that survives
+    preemption: it resumes (as resume=true, refusing what that refuses) where run_dir holds a
+    checkpoint, and where it holds none starts afresh (as overwrite=true: the records of a
+    run killed before its first checkpoint are replaced, as that run is redone from step 0)."""
+    setting = str(resume).lower()
+    if setting not in ("true", "false", "auto"):
+        raise ValueError(f"resume={resume!r}: use true, false or auto")
+    if setting != "auto":
+        return setting == "true", overwrite
+    if overwrite:
+        raise ValueError("resume=auto and overwrite=true contradict each other; pass one of them")
+    clean_partial(run_dir)
+    return (True, False) if latest_checkpoint(run_dir) is not None else (False, True)
+
+
 def resume_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Path | None:
     """Decide, before anything heavy, whether a run starts fresh (None) or resumes from the
     returned checkpoint: the newest intact one, with a warning naming any newer damaged one,

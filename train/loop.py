@@ -32,7 +32,7 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from train.checkpoint import restore_trainer_state, resume_checkpoint
+from train.checkpoint import restore_trainer_state, resume_checkpoint, resume_setting
 from train.data.prepare import collate, prepare_data
 from train.data.prompt_file import ood_prompts
 from train.formats.init_from import check_init_from
@@ -126,8 +126,9 @@ def train_run(cfg: DictConfig) -> dict:
     check_processes(strategy, accelerator)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes  # fmt: skip
     run_dir, tc = Path(cfg.run_dir), cfg.train
-    resume_from = resume_checkpoint(run_dir, bool(cfg.resume), bool(cfg.overwrite))
-    check_run_dir(run_dir, bool(cfg.resume), bool(cfg.overwrite))  # no mixed records
+    resume, overwrite = resume_setting(run_dir, cfg.resume, bool(cfg.overwrite))  # auto decided
+    resume_from = resume_checkpoint(run_dir, resume, overwrite)
+    check_run_dir(run_dir, resume, overwrite)  # no mixed records
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
 
@@ -197,7 +198,7 @@ def train_run(cfg: DictConfig) -> dict:
 
     # -- records: the run directory is created (or, with overwrite, cleared) only now ----
     if main:  # each segment keeps its own config: config.yaml, config.resume-<step>.yaml
-        if cfg.overwrite and resume_from is None:
+        if overwrite and resume_from is None:
             clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         segment = "config.yaml" if resumed is None else f"config.resume-{start_step:08d}.yaml"

@@ -289,7 +289,7 @@ def check_settings(cfg: DictConfig) -> None:
     """Raise a ValueError naming the first bad setting and what it must be."""
     check_unset(cfg)
     check_source(cfg.data.source)  # a missing or empty file, before the target loads
-    if cfg.draft.get("init_from") and not cfg.resume:  # a path that holds no draft we read
+    if cfg.draft.get("init_from") and str(cfg.resume).lower() != "true":  # no draft we read
         detect_format(cfg.draft.init_from)
     check_train(cfg.train)
     check_loss_and_optim(cfg)

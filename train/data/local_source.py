@@ -25,6 +25,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -208,11 +210,15 @@ def conversation(row: object, source: str) -> dict:
 
 
 def write_conversations(source: str, split: str, bad_rows: str, out: Path, progress: bool) -> None:
-    """Stage 1 into `out` (written beside it, renamed when whole): shards and info.json."""
+    """Stage 1 into `out` (written beside it, renamed when whole): shards and info.json. The
+    directory it is written in is this process's own, so two runs preparing one file on one
+    cache never write into each other's; the first to finish renames its copy into place and
+    the other drops its own (the same read of the same bytes)."""
     rows, unit, total = source_rows(source, split)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    host = socket.gethostname()
+    drop_dead_writers(out, host)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{host}-{os.getpid()}-", dir=out.parent))
     info: dict = {"unit": unit, "rows": 0, "bad_rows": 0, "bad_rows_first": []}
     writer, shard = None, 0
     bar = tqdm(total=total, unit="row", desc="read source", disable=not progress, mininterval=2)
@@ -254,8 +260,28 @@ def write_conversations(source: str, split: str, bad_rows: str, out: Path, progr
             "table, each row a conversation (ShareGPT `conversations` or OpenAI `messages`)"
         )
     (tmp / "info.json").write_text(json.dumps(info))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)  # atomic; refused where another run's copy is already in place
+    except OSError:
+        if not (out / "info.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def drop_dead_writers(out: Path, host: str) -> None:
+    """Remove what killed writers of `out` on this host left beside it (their pid is gone);
+    another host's, or a live process's, is left alone."""
+    prefix = f"{out.name}.tmp-{host}-"
+    for stale in out.parent.glob(f"{prefix}*"):
+        pid = stale.name.removeprefix(prefix).split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def read_source(
