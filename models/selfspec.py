@@ -225,11 +225,13 @@ def run_layers(
 def from_target(
     target: Target,
     token_counts: Tensor | None = None,  # unused: the exit predicts over the full vocabulary
-    exit_layer: int = 4,
+    exit_layer: int | None = None,  # None: an eighth of the target's layers, at least 1
     rank: int = 256,
     stop_below: float = 0.0,
 ) -> SelfSpecExit:
     """An exit after the target's layer exit_layer - 1, sized from the target."""
+    if exit_layer is None:
+        exit_layer = max(1, target.num_layers // 8)
     cfg = target.config
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
         raise ValueError(

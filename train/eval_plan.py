@@ -178,7 +178,8 @@ def plan_checkpoint(
     lookup = spec.drafter if isinstance(spec.drafter, LookupDrafter) else None
     heads = [Pass("head", spec.target, lookup.base)] if lookup is not None else []
     passes += [spec, *heads]
-    if compiled and dec.get("compile") is True:  # decode.compile=true: the eager one beside it
+    # decode.compile=true: the eager one beside it (where the speculative one is compiled)
+    if compiled and dec.get("compile") is True and spec.target is not decode_target:
         passes.append(Pass("eager_spec", decode_target, drafter))
     return CheckpointPlan(target_eval, samplings, passes, [spec, *heads], lookup,
                           path_of(spec.target), prompts, ood, tree,
