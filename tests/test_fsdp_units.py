@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys, torch, torch.distributed as dist
+    import json, os, sys, torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.tensor import DTensor
     from train.strategy import Strategy, eval_draft, shard
@@ -46,12 +46,14 @@ SCRIPT = textwrap.dedent(
     out["master"] = sorted({str(p.dtype) for p in draft.parameters()})
     if rank == 0:
         print("RESULT " + json.dumps(out))
-    # Both ranks reach the teardown with no collective in flight and FSDP's state released:
-    # a rank that destroyed its gloo group while the other still held work aborted once in CI
-    # ("terminate called without an active exception", SIGABRT in rank 1).
+    # Both ranks reach the teardown with no collective in flight. A rank still aborted now and
+    # then in the interpreter's finalization after destroying its group ("terminate called
+    # without an active exception", SIGABRT; once in CI, once in a local full run, the bf16
+    # case both times): what the result depends on is printed, so skip finalization.
     dist.barrier()
-    del draft, strategy, full
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
     """
 )
 
