@@ -81,7 +81,7 @@ def compiled_decoding(
     checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
     in place: a new module would compile new graphs."""
     adapted = adapts_target(decode_target, copies.target)  # Medusa-2: weights change
-    drafts_compiled = getattr(drafter_class(draft_eval.kind), "compiles", True)
+    drafts_compiled = compiles(draft_eval)
     if copies.compiled is None:
         k = int(dec.k)
         widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
@@ -105,6 +105,11 @@ def compiled_decoding(
         if adapted:
             copies.compiled.model.load_state_dict(decode_target.model.state_dict())
     return copies.compiled, copies.drafter
+
+
+def compiles(draft: torch.nn.Module) -> bool:
+    """Whether a draft's drafter runs on the compiled path (False: selfspec, eager only)."""
+    return getattr(drafter_class(draft.kind), "compiles", True)
 
 
 def adapts_target(decode_target: Target, target: Target) -> bool:
@@ -134,7 +139,7 @@ def compile_choice(
     it), on CUDA it compiles to measure (an eager verdict drops the graphs)."""
     setting = compile_setting(dec)
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
-    if not getattr(drafter_class(draft_eval.kind), "compiles", True):
+    if not compiles(draft_eval):
         # a drafter that decodes eagerly only (decoding/drafters/selfspec.py): no verify to
         # compare; compiled means the compiled AR beside the eager speculative decode
         dtype = "compiled" if setting == "only" else "eager"
