@@ -9,14 +9,24 @@ import random
 import subprocess
 import sys
 
+import datasets
 import numpy as np
 import pytest
 
 import train.data.local_source as local_source
 from tests.helpers import ROOT, write_rows
 from train.data.chat import resolve_chat_template, shift_mask, tokenize_conversation
-from train.data.local_source import json_records, read_source, text_hash
+from train.data.local_source import (
+    NO_ASSISTANT,
+    OK,
+    STATUS_STATS,
+    TEMPLATE_MISMATCH,
+    json_records,
+    read_source,
+    text_hash,
+)
 from train.data.prepare import prepare_data
+from train.data.row_selection import pick_rows
 from train.ranks import Ranks
 
 
@@ -242,3 +252,29 @@ def test_two_runs_reading_one_file_on_one_cache_keep_one_whole_copy(source, tmp_
     local_source.write_conversations(str(path), "train", "skip", out, False)
     assert json.loads((out / "info.json").read_text())["rows"] == len(rows)
     assert sorted(p.name for p in out.parent.iterdir()) == ["key"]  # no copy, no leftover
+
+
+def test_pick_rows_counts_the_unusable_rows_it_read_past_and_no_others():
+    # order position: 0 ok, 1 no-assistant, 2 ok, 3 mismatch, 4 ok, 5 no-assistant, 6 ok (trunc.)
+    status = [OK, NO_ASSISTANT, OK, TEMPLATE_MISMATCH, OK, NO_ASSISTANT, OK]
+    rows = datasets.Dataset.from_dict({
+        "x": list(range(7)), "stream": ["source"] * 7, "status": status,
+        "truncated": [False] * 6 + [True],
+    })  # fmt: skip
+
+    def counts(num_train, num_reference):
+        stats = {name: 0 for name in [*STATUS_STATS.values(), "truncated"]}
+        parts, main = pick_rows(rows, list(range(7)), num_train, num_reference, stats)
+        return list(main), [len(p) for p in parts], stats
+
+    main, sizes, stats = counts(2, 0)  # rows 0 and 2: read up to position 2
+    assert main == [0, 2] and sizes == [2]
+    assert (stats["skipped_no_assistant"], stats["skipped_template_mismatch"]) == (1, 0)
+    _, sizes, stats = counts(2, 1)  # the reference row is 4: past the mismatch at 3
+    assert sizes == [2, 1] and (stats["skipped_no_assistant"], stats["skipped_template_mismatch"]) == (1, 1)  # fmt: skip
+    assert stats["truncated"] == 0
+    for num_train in (None, 9):  # everything read: every unusable row counted, the truncated too
+        _, _, stats = counts(num_train, 0)
+        assert (stats["skipped_no_assistant"], stats["skipped_template_mismatch"], stats["truncated"]) == (2, 1, 1)  # fmt: skip
+    _, sizes, stats = counts(0, 0)
+    assert sizes == [0] and sum(stats.values()) == 0

@@ -24,15 +24,20 @@ def pick_rows(
 ) -> tuple[list[datasets.Dataset], np.ndarray]:
     """From the tokenized rows, in `order`, the usable ones: the first `num_train` (None: all;
     memory-mapped, stream "source") and the next `num_reference` (stream "reference", in
-    Arrow memory), and the former's indices. `stats` counts the unusable rows by reason and
-    the truncated ones."""
+    Arrow memory), and the former's indices. `stats` counts the unusable rows by reason among
+    those read to find them (the order up to the last row taken; all of it when it ran short),
+    and the truncated ones taken."""
     order = np.asarray(order, dtype=np.int64)
     status = np.asarray(rows.data.column("status"))[order]
-    for code, name in STATUS_STATS.items():
-        stats[name] += int((status == code).sum())
-    usable = order[status == OK]
+    usable_at = np.flatnonzero(status == OK)  # positions in `order`
+    usable = order[usable_at]
     main = usable[: len(usable) if num_train is None else num_train]
     reference = usable[len(main) : len(main) + num_reference]
+    taken = len(main) + len(reference)
+    ran_short = num_train is None or taken < num_train + num_reference
+    read = len(order) if ran_short else (int(usable_at[taken - 1]) + 1 if taken else 0)
+    for code, name in STATUS_STATS.items():
+        stats[name] += int((status[:read] == code).sum())
     stats["truncated"] += int(np.asarray(rows.data.column("truncated"))[usable[: len(main) + len(reference)]].sum())  # fmt: skip
     parts = [rows.select(main).remove_columns(["status", "truncated"])]
     if num_reference:
