@@ -29,6 +29,8 @@ FSDP_ENV = {
 def test_the_launch_names_the_strategy():
     assert launch_strategy(CFG, {}) == Strategy("single", 1)
     assert launch_strategy(CFG, {"WORLD_SIZE": "2"}) == Strategy("ddp", 2)
+    muon = OmegaConf.create({"optim": {"name": "muon"}})
+    assert launch_strategy(muon, {"WORLD_SIZE": "2"}) == Strategy("ddp", 2)  # Muon under DDP runs
     fsdp = launch_strategy(CFG, FSDP_ENV)
     assert (fsdp.kind, fsdp.world_size, fsdp.wrap_classes) == ("fsdp", 2, ("LlamaDecoderLayer",))
     assert fsdp.reshard_after_forward is True
@@ -46,6 +48,7 @@ def test_the_launch_names_the_strategy():
         ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}, CFG, "written once as full state"),
         ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, CFG, "fsdp_auto_wrap_policy SIZE_BASED"),
         ({}, OmegaConf.create({"replay": {"enabled": True}}), "set replay.enabled=false"),
+        ({}, OmegaConf.create({"optim": {"name": "muon"}}), "optim=muon: Muon over FSDP2"),
     ],
 )
 def test_an_fsdp_launch_the_run_cannot_honour_is_refused(change, cfg, reason):

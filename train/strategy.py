@@ -102,6 +102,11 @@ def launch_strategy(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> Str
         problems.append("replay.enabled=true: each rank decodes its own rollouts with the "
                         "draft, which a sharded draft cannot do alone; set "
                         "replay.enabled=false or launch with conf/accelerate/ddp.yaml")  # fmt: skip
+    if cfg.get("optim") is not None and cfg.optim.get("name", "adamw") == "muon":
+        # Muon orthogonalises each weight matrix whole; under FSDP2 a rank holds row shards
+        # (DTensors), which this project has not run Muon over: refused rather than guessed.
+        problems.append("optim=muon: Muon over FSDP2's sharded matrices is not supported "
+                        "here; use optim=adamw, or launch with conf/accelerate/ddp.yaml")  # fmt: skip
     if problems:
         raise ValueError("the launch asks for FSDP, which this run cannot honour: "
                          + "; ".join(problems))  # fmt: skip
