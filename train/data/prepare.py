@@ -313,20 +313,12 @@ def prepare_data(
 
         if every_turn:  # each assistant turn answered in order (train/data/turns.py)
             convs, stats["regen_turns"] = regenerate_every_turn(
-                [it["messages"] for it in items], answer, prompt_ids,
+                [it["messages"] for it in items], answer, lambda msgs: tokenize(msgs, gen=True),
                 lambda ids: tok.decode(ids, skip_special_tokens=True), max_prompt,
             )  # fmt: skip
             stats["skipped_regen_refused"] = sum(c is None for c in convs)
-            answered = []
-            for it, msgs in zip(items, convs, strict=True):
-                try:  # every assistant turn now the target's: all of them trained
-                    ids, flags = tokenize(msgs) if msgs else (None, None)
-                except ValueError:
-                    stats["skipped_template_mismatch"] += 1
-                    continue
-                if ids is not None:
-                    answered.append({**it, "messages": msgs, "ids": ids, "flags": flags})
-            items = answered
+            # Rows of the target's own ids, every turn of them trained, as `last` below.
+            items = [{**it, **row} for it, row in zip(items, convs, strict=True) if row]
         else:
             answers = answer([it["ids"] for it in items], [it["prompt_messages"] for it in items])
             kept = [(it, a) for it, a in zip(items, answers, strict=True) if a is not None]
