@@ -44,11 +44,15 @@ class Target:
         tokenizer: PreTrainedTokenizerBase | None,
         name: str,
         check_head: bool = True,  # False: a model on the meta device (train/memory_plan.py)
+        stored_dtype: torch.dtype | None = None,  # the weights' dtype on disk (None: unknown)
     ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name  # a stable id, shown in records and cache keys
         self.config = model.config
+        # What an export writes the target's tensors in (train/formats/export.py): a copy
+        # rounded to the dtype the run holds them in is not the target an engine serves.
+        self.stored_dtype = stored_dtype
         self._fingerprint: str | None = None
         if check_head:
             self._check_head()

@@ -79,10 +79,21 @@ def load_dtype(
     """The dtype the weights are loaded in, which is the dtype the target runs in: `dtype`
     itself, or for "auto" the choice made before the load (models/dtype_choice.py: on CUDA
     bfloat16, on a CPU timed on a slice of the target built from its config). Loading in
-    float32 and casting afterwards held the float32 copy at the peak (3x the bf16 bytes)."""
+    float32 and casting afterwards held the float32 copy at the peak (3x the bf16 bytes).
+    "stored": the dtype the weights are stored in (config.json's; float32 where it names
+    none), which is what an export writes (train/formats/export.py: load_run_draft)."""
+    if dtype == "stored":
+        return stored_dtype(config)
     if dtype != "auto":
         return resolve_dtype(dtype)
     return resolve_dtype(choose_target_dtype("auto", config, name, device).dtype)
+
+
+def stored_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype a checkpoint's config.json says its weights are stored in; float32 where it
+    names none (transformers' own default for a load without a dtype)."""
+    stored = getattr(config, "dtype", None)  # transformers 5 reads torch_dtype into it
+    return resolve_dtype(str(stored).removeprefix("torch.")) if stored else torch.float32
 
 
 def hf_target_config(path: str) -> tuple[PretrainedConfig, str]:
@@ -120,7 +131,7 @@ def load_hf_target(path: str, dtype: str = "float32", device: str = "auto") -> T
         dtype=load_dtype(dtype, config, name, place),
         device_map=None if place.type == "cpu" else str(place),
     )
-    return Target(model, tokenizer, name=name)
+    return Target(model, tokenizer, name=name, stored_dtype=stored_dtype(config))
 
 
 def smollm2_gguf_path() -> Path:
@@ -300,7 +311,7 @@ def build_tiny_random(
             model.get_output_embeddings().weight.mul_(8.0)
     place = resolve_device(device)
     cast_keep_rotary(model.to(place), load_dtype(dtype, config, name, place))
-    return Target(model, tokenizer, name=name)
+    return Target(model, tokenizer, name=name, stored_dtype=torch.float32)  # as built
 
 
 def target_config(node: dict) -> tuple[PretrainedConfig, str]:

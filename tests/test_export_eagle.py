@@ -10,15 +10,17 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from models import eagle
 from models.target_loaders import SMOLLM2_HUB_ID, SMOLLM2_NAME, build_tiny_random
+from train.checkpoint import save_checkpoint
 from train.formats.eagle import hub_id, target_names
 from train.formats.eagle_read import read_eagle_export
-from train.formats.export import ExportError, export
+from train.formats.export import ExportError, export, load_run_draft
 from train.formats.init_from import init_draft_from
 
 torch.set_num_threads(1)
@@ -362,3 +364,40 @@ def test_reader_refuses_a_wrong_target_or_keys(target, tmp_path):
     save_file(weights, weights_path)
     with pytest.raises(ValueError, match="missing keys \\['layers.0.hidden_norm.weight'\\]"):
         read_eagle_export(tmp_path / "s", target)
+
+
+def test_a_head_of_a_bfloat16_run_exports_the_stored_embedding_and_imports_anywhere(tmp_path):
+    """A run that held its float32 target in bfloat16: scripts/export.py's load_run_draft loads
+    the target as stored, so the speculators export holds the float32 embedding exactly, and
+    the head imports into the float32 target and into a bfloat16 copy. The bfloat16 copy itself
+    is refused as an export's target, and an export holding the rounded embedding is refused
+    on import with the fix."""
+    node = {"_target_": "models.target_loaders.build_tiny_random", "seed": 0, "num_layers": 8}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml({"target": {**node, "dtype": "bfloat16"}}))
+    held = build_tiny_random(seed=0, num_layers=8, dtype="bfloat16", device="cpu")
+    stored = build_tiny_random(seed=0, num_layers=8, device="cpu")
+    table = stored.embed_tokens.weight
+    assert not torch.equal(held.embed_tokens.weight.float(), table)  # bf16 rounds this table
+    draft = _draft(held, vocab_size="full")
+    model = {"_target_": "models.eagle.from_target", "ttt_steps": 3, "vocab_size": "full",
+             "init": "random"}  # fmt: skip
+    ckpt = save_checkpoint(run, 1, draft.state_dict(),
+                           OmegaConf.to_yaml({"kind": "eagle", "model": model}), {}, 1)  # fmt: skip
+    with pytest.raises(ExportError, match=r"held in torch.bfloat16 but stored in torch.float32"):
+        _export(draft, held, "speculators", tmp_path / "rounded")
+    _nothing_written(tmp_path / "rounded")
+    loaded, target = load_run_draft(ckpt)
+    assert target.dtype == torch.float32 and target.fingerprint == held.fingerprint
+    _export(loaded, target, "speculators", tmp_path / "s")
+    weights = load_file(tmp_path / "s" / "model.safetensors")
+    assert torch.equal(weights["embed_tokens.weight"], table)  # the stored values, not rounded
+    for into in (stored, held):
+        fresh = eagle.from_target(into, None, ttt_steps=3, vocab_size="full")  # the target's head
+        init_draft_from(tmp_path / "s", fresh, into)
+    weights["embed_tokens.weight"] = table.to(torch.bfloat16).float()  # an earlier export's
+    save_file(weights, tmp_path / "s" / "model.safetensors")
+    with pytest.raises(ValueError, match="rounded to bfloat16 .* re-export its checkpoint"):
+        read_eagle_export(tmp_path / "s", stored)
+    read_eagle_export(tmp_path / "s", held)  # the copy it was rounded for reads it

@@ -90,8 +90,10 @@ def read_eagle_export(path: Path, target: Target) -> tuple[dict[str, Tensor], di
             raise ValueError(
                 f"{what}: lm_head is {tuple(head.shape)}, expected ({draft_vocab}, {H})"
             )
-        rows = target.lm_head.weight.detach().float().cpu()[ids]
-        train_head = not torch.equal(head.float(), rows)
+        # The target's own head rows (compared in the dtype the target is held in, as the
+        # embedding is) mean an untrained head; anything else is the draft's.
+        rows = target.lm_head.weight.detach().cpu()[ids]
+        train_head = not torch.equal(head.to(rows.dtype), rows)
         if train_head:
             state["lm_head.weight"] = head
     settings = {
@@ -145,13 +147,24 @@ def in_tap_order(
 
 
 def _check_embedding(weight: Tensor, target: Target, what: str) -> None:
-    table = embedding_table(target)
-    if weight.shape != table.shape or not torch.equal(weight.to(table.dtype), table.cpu()):
+    """The export's embedding (the target's as stored) against the target's, compared in the
+    dtype the target is held in: a float32 export matches a bfloat16 copy of its target."""
+    table = embedding_table(target).cpu()
+    same_shape = weight.shape == table.shape
+    if same_shape and torch.equal(weight.to(table.dtype), table):
+        return
+    bf16 = torch.bfloat16
+    if same_shape and torch.equal(weight, weight.to(bf16).to(weight.dtype)) and torch.equal(weight.to(bf16), table.to(bf16)):  # fmt: skip
         raise ValueError(
-            f"{what} holds an {EMBEDDING} {tuple(weight.shape)} that is not the target "
-            f"{target.name!r}'s embedding; draftlab's EAGLE head reads the target's own, so this "
-            "head (trained on another embedding, or for another target) cannot be imported"
+            f"{what} holds the target {target.name!r}'s embedding rounded to bfloat16 (an "
+            "export of a run that held its target in bfloat16, written before exports took "
+            "the stored weights, 2026-12-05): re-export its checkpoint with scripts/export.py"
         )
+    raise ValueError(
+        f"{what} holds an {EMBEDDING} {tuple(weight.shape)} that is not the target "
+        f"{target.name!r}'s embedding; draftlab's EAGLE head reads the target's own, so this "
+        "head (trained on another embedding, or for another target) cannot be imported"
+    )
 
 
 def _check_verifier(config: dict, target: Target, what: str) -> None:

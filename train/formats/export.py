@@ -45,6 +45,7 @@ format requires, then renamed into place.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import shutil
@@ -304,8 +305,18 @@ def export(
     checkpoint's identity record (train/identity.py): an export for another target than the
     one trained against (its head rows and embedding would be another model's) is refused,
     and the record is written beside the weights as IDENTITY_FILE, so an import
-    (draft.init_from) compares the target it loads into."""
+    (draft.init_from) compares the target it loads into. A target held in another dtype than
+    it is stored in is refused: its embedding and head would be written rounded (load it with
+    dtype "stored", as `load_run_draft` does)."""
     refuse(fmt, draft)
+    if target.stored_dtype not in (None, target.dtype):
+        raise ExportError(
+            f"the target {target.name!r} is held in {target.dtype} but stored in "
+            f"{target.stored_dtype}: the export would write its tensors rounded to "
+            f"{target.dtype}, which is not the target an engine serves (nor what a "
+            f"{target.stored_dtype} run imports). Load it with dtype=stored "
+            "(scripts/export.py does)."
+        )
     check_served_settings(fmt, verifier, speculative_tokens)
     trained = (identity or {}).get("target")
     if trained is not None and trained["weights"] != target.fingerprint:
@@ -379,7 +390,9 @@ def load_target(cfg: DictConfig) -> Target:
 
 
 def load_run_draft(ckpt: str | Path, device: str = "cpu") -> tuple[nn.Module, Target]:
-    """A checkpoint `<run_dir>/checkpoints/step_N` -> (draft, target from the run's config)."""
+    """A checkpoint `<run_dir>/checkpoints/step_N` -> (draft, target from the run's config,
+    loaded in the dtype its weights are stored in, whatever the run held it in: what an
+    export writes of it, e.g. a speculators head's embedding, is then the target's own)."""
     ckpt = Path(ckpt)
     if not (ckpt / "draft.yaml").is_file():
         raise FileNotFoundError(
@@ -388,5 +401,7 @@ def load_run_draft(ckpt: str | Path, device: str = "cpu") -> tuple[nn.Module, Ta
         )
     cfg = checkpoint_config(ckpt)
     cfg.target.device = device
+    if "dtype" in inspect.signature(hydra.utils.get_method(cfg.target._target_)).parameters:
+        cfg.target.dtype = "stored"
     target = load_target(cfg)
     return load_draft(ckpt, target).eval(), target
