@@ -278,3 +278,54 @@ def test_pick_rows_counts_the_unusable_rows_it_read_past_and_no_others():
         assert (stats["skipped_no_assistant"], stats["skipped_template_mismatch"], stats["truncated"]) == (2, 1, 1)  # fmt: skip
     _, sizes, stats = counts(0, 0)
     assert sizes == [0] and sum(stats.values()) == 0
+
+
+class FakeTokenizer:
+    """What a cache key reads of a tokenizer: its serialized vocabulary and special tokens."""
+
+    is_fast = True
+
+    def __init__(self, vocab: str = "v1", eos: str = "<|im_end|>"):
+        self.backend_tokenizer = type("Backend", (), {"to_str": lambda _: vocab})()
+        self.special_tokens_map = {"eos_token": eos, "pad_token": "<pad>"}
+
+
+KEY_ARGS = {"conv_key": "rows-abc-r1", "tok": FakeTokenizer(), "template": "{{ m }}",
+            "end_tokens": ["<|im_end|>"], "max_len": 512}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"conv_key": "rows-abd-r1"},  # another stage 1
+        {"tok": FakeTokenizer(vocab="v2")},
+        {"tok": FakeTokenizer(eos="</s>")},  # the template renders eos_token
+        {"template": "{{ m }}!"},
+        {"end_tokens": ["</s>"]},
+        {"max_len": 256},
+        "FORMAT",
+        "transformers",
+    ],
+    ids="stage1 vocab special_tokens template end_tokens max_len format transformers".split(),
+)
+def test_every_input_of_the_tokenized_rows_key_changes_it(change, monkeypatch):
+    before = local_source.tokenized_key(**KEY_ARGS)
+    assert local_source.tokenized_key(**KEY_ARGS) == before  # a key, not a nonce
+    if change == "FORMAT":
+        monkeypatch.setattr(local_source, "FORMAT", local_source.FORMAT + 1)
+    elif change == "transformers":
+        monkeypatch.setattr(local_source.transformers, "__version__", "0.0.0")
+    else:
+        monkeypatch.setitem(KEY_ARGS, *next(iter(change.items())))
+    assert local_source.tokenized_key(**KEY_ARGS) != before
+
+
+def test_the_source_key_follows_the_file_and_the_reader_version(tmp_path, monkeypatch):
+    path = write_rows(tmp_path / "a.jsonl", conversations(3))
+    before = local_source.source_key(str(path), "train")
+    assert local_source.source_key(str(path), "train") == before
+    monkeypatch.setattr(local_source, "READ_FORMAT", local_source.READ_FORMAT + 1)
+    assert local_source.source_key(str(path), "train") != before
+    monkeypatch.undo()
+    path.write_text(path.read_text() + "\n")  # the same rows, one byte more
+    assert local_source.source_key(str(path), "train") != before

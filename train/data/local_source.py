@@ -7,13 +7,14 @@ memory-mapped when read (as `datasets` does), never a Python list of the whole s
    `index` among the source's rows, `where`: its line in a .json/.jsonl file, else its
    index; `user_hashes`).
    Key: the file's bytes (blake2b) and the split; a dataset directory or hub name:
-   `datasets`' own fingerprint. A damaged row (not JSON, a turn that is not role/content, an
+   `datasets`' own fingerprint; READ_FORMAT (the reader's version). A damaged row (not JSON, a turn that is not role/content, an
    unknown ShareGPT role) is reported with its line and skipped (`bad_rows=skip`: counted,
    the first ones listed) or refused there (`bad_rows=refuse`). Written by rank 0.
 2. `tokenize_rows`: every conversation tokenized whole with the one chat template and its
    assistant mask (train/data/chat.py), the mask shifted, the row cut to max_len, a `status`
-   per row. Key: stage 1's, the tokenizer's vocabulary, template, end tokens, max_len and
-   FORMAT. Rank r writes shards r, r + world, ..., spread over `num_proc` processes; each
+   per row. Key (`tokenized_key`): stage 1's, the tokenizer's vocabulary and special-tokens
+   map (the template renders them), template, end tokens, max_len, FORMAT and the
+   transformers version (its template rendering and tokenizers). Rank r writes shards r, r + world, ..., spread over `num_proc` processes; each
    shard is written to a temporary name and renamed, so an interrupted preparation resumes
    at its missing shards; then every rank maps all of them.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import datasets
 import pyarrow.parquet as pq
+import transformers
 from datasets.arrow_writer import ArrowWriter
 from tqdm.auto import tqdm
 
@@ -40,7 +42,11 @@ from train.data.sources import FILE_BUILDERS, check_source, guess_category, to_m
 from train.ranks import Ranks
 
 SHARD_ROWS = 5000
-FORMAT = 1  # raise when a stage's output changes for the same key
+# Raise when a stage's output changes for the same input: READ_FORMAT for stage 1 (to_messages,
+# guess_category, the ShareGPT roles, `conversation`), FORMAT for stage 2 (the rows' columns,
+# masks, status codes).
+READ_FORMAT = 1
+FORMAT = 1
 OK, NO_ASSISTANT, TEMPLATE_MISMATCH, TRUNCATED_AWAY = range(4)  # tokenized `status`
 STATUS_STATS = {
     NO_ASSISTANT: "skipped_no_assistant",
@@ -182,8 +188,8 @@ def dataset_source(source: str, split: str) -> datasets.Dataset:
 def source_key(source: str, split: str) -> str:
     path = Path(source).expanduser()
     if path.is_file():
-        return f"{path.stem[:40]}-{file_hash(path)}"
-    return f"{path.name[:40]}-{split}-{dataset_source(source, split)._fingerprint}"
+        return f"{path.stem[:40]}-{file_hash(path)}-r{READ_FORMAT}"
+    return f"{path.name[:40]}-{split}-{dataset_source(source, split)._fingerprint}-r{READ_FORMAT}"
 
 
 def conversation(row: object, source: str) -> dict:
@@ -369,14 +375,20 @@ def tokenizer_hash(tok) -> str:
     return hashlib.blake2b(backend.encode(), digest_size=16).hexdigest()
 
 
+def tokenized_key(conv_key: str, tok, template: str, end_tokens: list[str], max_len: int) -> str:
+    """Stage 2's directory name: everything its rows depend on besides stage 1's."""
+    special = sorted((k, str(v)) for k, v in tok.special_tokens_map.items())
+    settings = [conv_key, tokenizer_hash(tok), special, template, end_tokens, max_len, FORMAT,
+                transformers.__version__]  # fmt: skip
+    return hashlib.blake2b(json.dumps(settings).encode(), digest_size=16).hexdigest()
+
+
 def tokenize_rows(
     conv_key: str, tok, template: str, end_tokens: list[str], max_len: int, cache_root: Path,
     num_proc: int | None, ranks: Ranks, progress: bool,
 ) -> datasets.Dataset:  # fmt: skip
     """Stage 2 (memory-mapped), in stage 1's row order; shards this rank lacks written first."""
-    settings = [conv_key, tokenizer_hash(tok), template, end_tokens, max_len, FORMAT]
-    key = hashlib.blake2b(json.dumps(settings).encode(), digest_size=16).hexdigest()
-    out = cache_root / "data" / "tokenized" / key
+    out = cache_root / "data" / "tokenized" / tokenized_key(conv_key, tok, template, end_tokens, max_len)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     conv_files = sorted((cache_root / "data" / "sources" / conv_key).glob("conversations-*.arrow"))
     shards = [out / f"rows-{s:05d}.arrow" for s in range(len(conv_files))]
