@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.target import Target
+from train.run_files import out_of_space
 
 CKPT_SUBDIR = "checkpoints"
 PREFIX = "step_"
@@ -159,10 +160,18 @@ def save_checkpoint(
         else:
             os.rename(tmp, final)
         _fsync_dir(root)
-    except BaseException:  # Ctrl-C between the two renames: put the old step back
+    except BaseException as err:  # Ctrl-C between the two renames: put the old step back
         if old.exists() and not final.exists():
             os.rename(old, final)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, Exception):  # a full disk: say so, and what is left to resume from
+            kept = list_checkpoints(run_dir)
+            fix = (f"The newest checkpoint, {kept[-1].name}, is intact: free space (or lower "
+                   "train.keep_last) and relaunch with resume=auto." if kept else
+                   "There is no earlier checkpoint: free space and relaunch.")  # fmt: skip
+            full = out_of_space(err, f"checkpoint {final.name}", root, fix)
+            if full is not None:
+                raise full from err
         raise
     if keep_last > 0:
         for stale in list_checkpoints(run_dir)[:-keep_last]:

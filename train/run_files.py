@@ -6,6 +6,8 @@
   train/checkpoint.py: resume_checkpoint.)
 - `clear_run`: what overwrite=true deletes, called once the new run's checks have passed: a
   refused start leaves the old run as it was.
+- `out_of_space`: what a write that ran out of space says (a full disk, a quota, a file
+  size limit): what was not written, that nothing of it is left, what to do.
 - `write_atomic`: a temporary file beside the target, fsync'ed, renamed over it; Ctrl-C or a
   crash leaves the old file or the new one, never a part of either.
 - `write_eval_prompts` / `read_eval_prompts`: the run's held-out eval prompts (token ids
@@ -22,8 +24,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -64,6 +68,26 @@ def clear_run(run_dir: Path) -> None:
     for path in [run_dir / "metrics.jsonl", run_dir / "summary.json",
                  *run_dir.glob("config.resume-*.yaml")]:  # fmt: skip
         path.unlink(missing_ok=True)
+
+
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def out_of_space(err: BaseException, what: str, where: Path, fix: str) -> OSError | None:
+    """The error to raise for `err` when it is a write that ran out of space (`what` not
+    written into `where`, its partial files removed by the caller; `fix`: what to do next),
+    else None (raise `err` itself)."""
+    code = err.errno if isinstance(err, OSError) else None
+    if code is None:  # safetensors' Rust writer: "I/O error: ... (os error 28)"
+        found = re.search(r"\(os error (\d+)\)", str(err))
+        code = int(found.group(1)) if found else None
+    if code not in OUT_OF_SPACE:
+        return None
+    return OSError(
+        code,
+        f"{what} not written: {where} ran out of space ({os.strerror(code)}); nothing of it "
+        f"is left. {fix}",
+    )
 
 
 def write_atomic(path: Path, text: str) -> None:

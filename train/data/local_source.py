@@ -21,6 +21,7 @@ memory-mapped when read (as `datasets` does), never a Python list of the whole s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -40,6 +41,7 @@ from tqdm.auto import tqdm
 from train.data.chat import assistant_spans, encode_batch, fast_renderer, shift_mask, span_flags
 from train.data.sources import FILE_BUILDERS, check_source, guess_category, to_messages
 from train.ranks import Ranks
+from train.run_files import out_of_space
 
 SHARD_ROWS = 5000
 # Raise when a stage's output changes for the same input: READ_FORMAT for stage 1 (to_messages,
@@ -226,46 +228,52 @@ def write_conversations(source: str, split: str, bad_rows: str, out: Path, progr
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{host}-{os.getpid()}-", dir=out.parent))
     info: dict = {"unit": unit, "rows": 0, "bad_rows": 0, "bad_rows_first": []}
-    writer, shard = None, 0
-    bar = tqdm(total=total, unit="row", desc="read source", disable=not progress, mininterval=2)
-    for index, (where, row) in enumerate(rows):
-        bar.update(1)
-        try:
-            conv = conversation(row, source)
-        except ValueError as err:
-            if bad_rows == "refuse":
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise ValueError(
-                    f"data.source={source!r} {unit} {where}: {err}; mend or remove the row, or "
-                    "set data.bad_rows=skip to leave damaged rows out (counted in summary.json)"
-                ) from None
-            info["bad_rows"] += 1
-            if len(info["bad_rows_first"]) < 10:
-                info["bad_rows_first"].append(f"{unit} {where}: {str(err)[:200]}")
-            continue
-        if writer is None:
-            path = tmp / f"conversations-{shard:05d}.arrow"
-            writer = ArrowWriter(features=CONVERSATION_FEATURES, path=str(path))
-        writer.write({**conv, "where": where, "index": index})
-        info["rows"] += 1
-        if info["rows"] % SHARD_ROWS == 0:
+    try:
+        writer, shard = None, 0
+        bar = tqdm(total=total, unit="row", desc="read source", disable=not progress, mininterval=2)
+        for index, (where, row) in enumerate(rows):
+            bar.update(1)
+            try:
+                conv = conversation(row, source)
+            except ValueError as err:
+                if bad_rows == "refuse":  # (the copy is removed below, as for any error)
+                    raise ValueError(
+                        f"data.source={source!r} {unit} {where}: {err}; mend or remove the row, or "
+                        "set data.bad_rows=skip to leave damaged rows out (counted in summary.json)"
+                    ) from None
+                info["bad_rows"] += 1
+                if len(info["bad_rows_first"]) < 10:
+                    info["bad_rows_first"].append(f"{unit} {where}: {str(err)[:200]}")
+                continue
+            if writer is None:
+                path = tmp / f"conversations-{shard:05d}.arrow"
+                writer = ArrowWriter(features=CONVERSATION_FEATURES, path=str(path))
+            writer.write({**conv, "where": where, "index": index})
+            info["rows"] += 1
+            if info["rows"] % SHARD_ROWS == 0:
+                writer.finalize()
+                writer.close()
+                writer, shard = None, shard + 1
+        bar.close()
+        if writer is not None:
             writer.finalize()
             writer.close()
-            writer, shard = None, shard + 1
-    bar.close()
-    if writer is not None:
-        writer.finalize()
-        writer.close()
-    if not info["rows"]:
+        if not info["rows"]:
+            first = "; ".join(info["bad_rows_first"][:3])
+            raise ValueError(
+                f"data.source={source!r} holds no readable conversation (split {split!r})"
+                + (f": {first}" if first else "")
+                + "; give one JSON object per line (.jsonl), a JSON list (.json) or a parquet "
+                "table, each row a conversation (ShareGPT `conversations` or OpenAI `messages`)"
+            )
+        (tmp / "info.json").write_text(json.dumps(info))
+    except BaseException as err:  # a read cut short leaves no copy behind
         shutil.rmtree(tmp, ignore_errors=True)
-        first = "; ".join(info["bad_rows_first"][:3])
-        raise ValueError(
-            f"data.source={source!r} holds no readable conversation (split {split!r})"
-            + (f": {first}" if first else "")
-            + "; give one JSON object per line (.jsonl), a JSON list (.json) or a parquet "
-            "table, each row a conversation (ShareGPT `conversations` or OpenAI `messages`)"
-        )
-    (tmp / "info.json").write_text(json.dumps(info))
+        fix = "Free space (data.cache_dir) and rerun."
+        full = out_of_space(err, f"data.source={source!r} read into shards", out.parent, fix)
+        if full is not None:
+            raise full from err
+        raise
     try:
         tmp.rename(out)  # atomic; refused where another run's copy is already in place
     except OSError:
@@ -358,14 +366,23 @@ def tokenize_shard(job: tuple) -> int:
     conv_path, out_path, tok, template, end_tokens, max_len = job
     conv = datasets.Dataset.from_file(conv_path)
     tmp = f"{out_path}.tmp-{os.getpid()}"
-    writer = ArrowWriter(features=TOKEN_FEATURES, path=tmp)
-    for start in range(0, len(conv), 500):
-        batch = conv[start : start + 500]
-        rows = tokenize_rows_batch(batch["messages"], tok, template, end_tokens, max_len)
-        for row, category, index in zip(rows, batch["category"], batch["index"], strict=True):
-            writer.write({**row, "category": category, "group": f"row:{index}", "stream": "source"})  # fmt: skip
-    writer.finalize()
-    writer.close()
+    try:
+        writer = ArrowWriter(features=TOKEN_FEATURES, path=tmp)
+        for start in range(0, len(conv), 500):
+            batch = conv[start : start + 500]
+            rows = tokenize_rows_batch(batch["messages"], tok, template, end_tokens, max_len)
+            for row, category, index in zip(rows, batch["category"], batch["index"], strict=True):
+                writer.write({**row, "category": category, "group": f"row:{index}", "stream": "source"})  # fmt: skip
+        writer.finalize()
+        writer.close()
+    except BaseException as err:  # no partial shard left behind, none ever under its name
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        fix = "Free space and rerun: the shards already written are kept and not redone."
+        full = out_of_space(err, f"tokenized shard {Path(out_path).name}", Path(out_path).parent, fix)  # fmt: skip
+        if full is not None:
+            raise full from err
+        raise
     os.replace(tmp, out_path)
     return len(conv)
 
