@@ -138,3 +138,29 @@ def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path):
     assert str(old / "trainer_state.pt") in str(err.value)
     assert (tmp_path / "metrics.jsonl").read_text() == metrics  # nothing trained or dropped
     assert list_checkpoints(tmp_path) == [old, new]
+
+
+def test_a_run_killed_in_its_last_evaluation_evaluates_when_resumed(tmp_path):
+    """The last checkpoint is written before its evaluation: a kill in between (here: the
+    eval record removed, and an append cut short) left a finished run with no final
+    evaluation. Resumed, it evaluates that checkpoint once, trains nothing, and its records
+    equal the uninterrupted run's but for timings."""
+    from train.loop import run
+
+    torch.set_num_threads(1)
+    overrides = ("train.steps=4", "train.ckpt_every=2", "train.eval_at_ckpt=true")
+    want = run(_compose(tmp_path / "whole", *overrides))
+    killed = tmp_path / "killed"
+    run(_compose(killed, *overrides))
+    lines = (killed / "metrics.jsonl").read_text().splitlines()
+    kept = [ln for ln in lines if not ('"kind": "eval"' in ln and '"step": 4' in ln)]
+    assert len(kept) == len(lines) - 1
+    (killed / "metrics.jsonl").write_text("\n".join(kept) + '\n{"kind": "tra')  # cut short
+    (killed / "summary.json").unlink()
+    got = run(_compose(killed, *overrides, "resume=true"))
+    assert got["resumed_from"].endswith("step_00000004")
+    assert got["final_eval"]["step"] == 4
+    assert got["final_eval"]["tau"] == want["final_eval"]["tau"]
+    evals = [r["step"] for r in metrics_records(killed) if r["kind"] == "eval"]
+    assert evals == [2, 4]  # once each
+    assert _losses(killed) == _losses(tmp_path / "whole")

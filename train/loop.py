@@ -50,7 +50,7 @@ from train.run_files import (
     write_atomic,
     write_eval_prompts,
 )
-from train.run_records import RunRecords, checkpoint_and_evaluate, write_summary
+from train.run_records import RunRecords, checkpoint_and_evaluate, evaluate_at, write_summary
 from train.run_setup import (
     build_draft,
     feature_cache,
@@ -221,6 +221,10 @@ def train_run(cfg: DictConfig) -> dict:
     # -- the loop ---------------------------------------------------------------------
     done = start_step
     out_of_time = budget is not None and clock["train_s"] >= budget  # spent before a resume
+    if resume_from is not None:  # what a kill between the checkpoint and its evaluation lost
+        evaluate_at(cfg, accelerator, strategy, core, target, prepared, records, log,
+                    start_step, start_step >= tc.steps or out_of_time, clock["train_s"],
+                    heldout, owed=True)  # fmt: skip
     for step in range(start_step, start_step if out_of_time else tc.steps):
         t_step = time.perf_counter()
         core.set_progress(time_share() if time_share else step / sched["steps"])

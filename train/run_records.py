@@ -77,8 +77,26 @@ def checkpoint_and_evaluate(
             tc.keep_last, meta={"loss": loss, "name": str(cfg.name), "train_s": round(train_s, 2)},
             config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
         ))  # fmt: skip
+    evaluate_at(cfg, accelerator, strategy, core, target, prepared, records, log, step, last,
+                train_s, heldout)  # fmt: skip
+
+
+def evaluate_at(
+    cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, core: DraftModel,
+    target: Target, prepared: PreparedData, records: RunRecords, log: RunLog, step: int,
+    last: bool, train_s: float, heldout: list[HeldOut] | None = None, owed: bool = False,
+) -> None:  # fmt: skip
+    """Checkpoint `step`'s held-out proxy and, when due, its evaluation. `owed`: a resumed
+    run's first call, at the checkpoint it resumed from: only what the records lack for that
+    step (a run killed after writing the checkpoint, before its evaluation ended, would
+    otherwise never evaluate it, its last one included)."""
+    tc = cfg.train
     every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
     evaluate = tc.eval_at_ckpt and (last or not every or step % every == 0)
+    if owed:
+        evaluate = evaluate and not any(e.get("step") == step for e in records.evals)
+        if (records.last_heldout or {}).get("step") == step:
+            heldout = None
     if heldout is None and not evaluate:
         accelerator.wait_for_everyone()
         return

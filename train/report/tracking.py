@@ -142,7 +142,10 @@ class RunLog:
         self.main = accelerator.is_main_process
         self.earlier: list[dict] = []
         if self.main and resumed_at is not None and self.path.exists():
-            records = [json.loads(ln) for ln in self.path.read_text().splitlines() if ln]
+            lines = [ln for ln in self.path.read_text().splitlines() if ln]
+            if lines and not lines[-1].endswith("}"):  # a kill in the middle of an append
+                lines.pop()
+            records = [json.loads(ln) for ln in lines]
             self.earlier = [r for r in records if r["step"] <= resumed_at]
             # atomic: Ctrl-C here must not lose the records the run is resumed with
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.earlier))
