@@ -42,9 +42,9 @@ from models.target import Target
 from train.data.chat import tokenize_conversation
 from train.data.openai_server import Refused, chat_completion, check_server
 from train.data.regenerate import (
-    _ends_with_newline,
     _read_shard,
     _sha,
+    append_line,
     check_all_answered,
     default_cache_root,
     merged_stats,
@@ -233,8 +233,7 @@ def send_share(
     try:
         with out.open("a") as answers, refusals.open("a") as failures:
             for f, path in ((answers, out), (failures, refusals)):
-                if not _ends_with_newline(path):  # a crash left a partial last line: end it
-                    f.write("\n")
+                append_line(f, "", path)  # a crash left a partial last line: end it
             while True:
                 # A bounded window of requests (not all of them at once: 10^6 futures), kept
                 # full; no new request once the run is sure to be refused.
@@ -253,8 +252,7 @@ def send_share(
                     err = future.exception()
                     if isinstance(err, Refused):  # this prompt's fault: recorded, not retried
                         row = {"prompt": keys[i], "status": err.status, "error": err.message}
-                        failures.write(json.dumps(row) + "\n")
-                        failures.flush()
+                        append_line(failures, json.dumps(row) + "\n")
                         stats["refused"] += 1
                     elif err is not None:  # failed for good (after its retries)
                         raise err
@@ -267,8 +265,8 @@ def send_share(
                             choice.get("finish_reason") == "stop", max_new_tokens, chat_template,
                         )  # fmt: skip
                         row = {"prompt": keys[i], "ids": ids, "finished": stopped, "text": text}
-                        answers.write(json.dumps(row) + "\n")  # one line per answer: a crash
-                        answers.flush()  # loses only the requests in flight
+                        # One line per answer: a crash loses only the requests in flight.
+                        append_line(answers, json.dumps(row) + "\n")
                         usage = answer.get("usage") or {}
                         stats["server_tokens"] += usage.get("completion_tokens") or 0
                         if usage.get("prompt_tokens") not in (None, len(prompts[i])):

@@ -24,12 +24,14 @@ first target of that name to ask for it, with a warning (delete it to answer afr
 from __future__ import annotations
 
 import copy
+import fcntl
 import hashlib
 import json
 import os
 import time
 import warnings
 from pathlib import Path
+from typing import IO
 
 import torch
 from tqdm.auto import tqdm
@@ -199,6 +201,21 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
+def append_line(f: IO[str], line: str, path: Path | None = None) -> None:
+    """`line` (ending in a newline) appended whole to the open answers file `f`, under an
+    exclusive lock: two jobs answering into one cache append to the same file, and a line
+    longer than the write buffer would otherwise reach it in pieces that interleave. With
+    `path` (the file's), a partial last line that a killed writer left is ended first."""
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+        if path is not None and not _ends_with_newline(path):
+            f.write("\n")
+        f.write(line)
+        f.flush()
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @torch.no_grad()
 def regenerate(
     target: Target,
@@ -275,8 +292,7 @@ def regenerate(
                    disable=not (progress and ranks.main))  # fmt: skip
         t0 = time.perf_counter()
         with shard.open("a") as out:
-            if not _ends_with_newline(shard):  # a crash left a partial last line: end it
-                out.write("\n")
+            append_line(out, "", shard)  # a crash left a partial last line: end it
 
             def save(position: int, new: list[int]) -> None:  # as each answer ends
                 i, ids = share[position], list(new)  # an answer ends at its first EOS
@@ -287,8 +303,7 @@ def regenerate(
                     "text": target.tokenizer.decode(ids, skip_special_tokens=True),
                 }
                 done[keys[i]] = row
-                out.write(json.dumps(row) + "\n")
-                out.flush()
+                append_line(out, json.dumps(row) + "\n")
                 stats["new_tokens"] += len(ids)
                 stats["generated"] += 1
                 bar.update(1)  # the rate counts every decoded token, in-flight answers' too
