@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from models.masks import left_padding, positions_and_mask
 from models.protocol import DraftOutput
 from models.target import Target, TargetOutput
 
@@ -163,37 +164,18 @@ class SharedCacheTarget:
         L, T, m = self.exit_layer, input_ids.shape[1], drafted.tokens.shape[1]
         past = cache.get_seq_length(L)  # entries of committed tokens; layers < L hold m more
         hidden = drafted.hidden
+        pad = left_padding(attention_mask)  # [B] or None (the decode loop pads left)
         if m < T:  # the round's last draft: layers < L on it (and anything after it)
             embeds = self.target.embed_tokens(input_ids[:, m:])
-            mask = causal_mask(past + m, T - m, attention_mask, input_ids.device)
+            mask = positions_and_mask(past + m, T - m, pad, input_ids.device)[1]
             new = run_layers(self.target, embeds, 0, L, position_ids[:, m:], mask, cache)
             hidden = torch.cat([hidden, new], 1)  # [B, T, H]
-        mask = causal_mask(past, T, attention_mask, input_ids.device)
+        mask = positions_and_mask(past, T, pad, input_ids.device)[1]
         last = run_layers(self.target, hidden, L, self.target.num_layers, position_ids, mask, cache)
         last = self.target.final_norm(last)  # [B, T, H]
         return TargetOutput(self.target.head_logits(last) if logits else None, {}, cache)
 
     __call__ = forward
-
-
-def causal_mask(
-    start: int, length: int, attention_mask: Tensor | None, device: torch.device
-) -> Tensor | None:
-    """[B|1, 1, length, start + length] bool (True = attend): `length` queries at cache slots
-    start.. over the slots before them and each other, minus left padding (the zeros of
-    `attention_mask` [B, >= start + length], 1 = real; a query always sees itself, so no row
-    is empty); None for one unpadded query, which sees the whole cache. Spelled out, since
-    sdpa's `is_causal` is top-left aligned, wrong beside a cache."""
-    if attention_mask is None and length == 1:
-        return None
-    keys = torch.arange(start + length, device=device)
-    slots = torch.arange(start, start + length, device=device)
-    allowed = (keys[None, :] <= slots[:, None])[None, None]  # [1, 1, length, keys]
-    if attention_mask is None:
-        return allowed
-    real = attention_mask[:, : start + length].bool()  # [B, keys]
-    own = keys[None, :] == slots[:, None]  # [length, keys]
-    return allowed & (real[:, None, None, :] | own[None, None])  # [B, 1, length, keys]
 
 
 def run_layers(

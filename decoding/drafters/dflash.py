@@ -38,12 +38,12 @@ import torch
 from torch import Tensor
 
 from decoding.drafter import Sampling
-from decoding.drafters.cache import left_padding
 from decoding.drafters.vocab import full_vocab_q, to_target_ids
 from decoding.tree import DraftTree, TreeSpec, dynamic_tree
 from decoding.verify import sampling_probs
 from models import vocab
 from models.dflash import DFlashDraft
+from models.masks import left_padding
 from models.target import Target, TargetOutput
 
 

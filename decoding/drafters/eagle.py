@@ -42,12 +42,13 @@ from transformers import DynamicCache
 
 from decoding.compiled import DRAFT_EXTRA_SLOTS, CachedStep, CompiledTarget, pad_seq, unwrap
 from decoding.drafter import Sampling
-from decoding.drafters.cache import crop_to, left_padding, positions_and_mask
+from decoding.drafters.cache import crop_to
 from decoding.drafters.vocab import full_vocab_q, to_target_ids
 from decoding.tree import DraftTree, TreeSpec, dynamic_tree
 from decoding.verify import sampling_probs
 from models import vocab
 from models.eagle import EagleDraft
+from models.masks import left_padding, positions_and_mask
 from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput
 

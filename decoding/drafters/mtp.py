@@ -22,8 +22,9 @@ from transformers import DynamicCache
 
 from decoding.compiled import DRAFT_EXTRA_SLOTS, CachedStep, CompiledTarget, pad_seq, unwrap
 from decoding.drafter import Sampling
-from decoding.drafters.cache import crop_to, left_padding, positions_and_mask
+from decoding.drafters.cache import crop_to
 from decoding.verify import sampling_probs
+from models.masks import left_padding, positions_and_mask
 from models.mtp import MTP
 from models.static_cache import StaticKVCache
 from models.target import Target, TargetOutput

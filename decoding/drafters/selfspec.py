@@ -25,7 +25,8 @@ from transformers import DynamicCache
 from decoding.compiled import CompiledTarget
 from decoding.drafter import Sampling
 from decoding.verify import sampling_probs
-from models.selfspec import Drafted, SelfSpecExit, SharedCacheTarget, causal_mask, run_layers
+from models.masks import left_padding, positions_and_mask
+from models.selfspec import Drafted, SelfSpecExit, SharedCacheTarget, run_layers
 from models.target import TargetOutput
 
 
@@ -73,20 +74,14 @@ class SelfSpecDrafter:
             raise RuntimeError("SelfSpecDrafter.propose called before prefill().")
         if k < 1:
             raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
-        L, B, device = self.draft.exit_layer, last_tokens.shape[0], last_tokens.device
+        L, device = self.draft.exit_layer, last_tokens.device
         past = self.cache.get_seq_length(L)  # committed tokens (every layer holds them)
-        mask = None  # [B, past + k] the prefill's padding, ones after it
-        if self.padded is not None:
-            after = self.padded.new_ones(B, past + k - self.padded.shape[1])
-            mask = torch.cat([self.padded, after], 1)
-        pad = 0 if self.padded is None else (self.padded == 0).sum(-1, keepdim=True)  # [B, 1]
+        pad = left_padding(self.padded)  # [B] the prefill's left padding, or None
         tokens, hiddens, drafts, qs = [last_tokens], [], [], []
         for j in range(k):
             x = self.target.embed_tokens(tokens[-1][:, None])  # [B, 1, H]
-            position = (past + j - pad) * torch.ones(B, 1, dtype=torch.long, device=device)
-            h = run_layers(
-                self.target, x, 0, L, position, causal_mask(past + j, 1, mask, device), self.cache
-            )  # [B, 1, H] h_L
+            position, mask = positions_and_mask(past + j, 1, pad, device)  # [B|1, 1], mask
+            h = run_layers(self.target, x, 0, L, position, mask, self.cache)  # [B, 1, H] h_L
             hiddens.append(h)
             logits = self.draft.exit_logits(h[:, -1], self.target).float()  # [B, V]
             if j > 0 and self.draft.stop_below > 0:
