@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,6 +207,26 @@ def test_kill_and_resume_equals_the_uninterrupted_run(two_ranks):
         assert torch.equal(have[name], ref[name]), (strategy, name)
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{resumed_at:08d}")
+
+
+def test_a_run_killed_in_its_last_evaluation_evaluates_it_on_every_rank(two_ranks, tmp_path):
+    """The finished run with its final evaluation gone (a kill between the last checkpoint
+    and its evaluation): resumed under the same launch, every rank evaluates that checkpoint
+    (the main rank's records decide for all: a rank deciding alone would hang the others in
+    the evaluation's gathers), once, with the uninterrupted run's results."""
+    strategy, whole, _, _ = two_ranks
+    copy = tmp_path / "copy"
+    shutil.copytree(whole, copy)
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    kept = [ln for ln in lines if json.loads(ln)["kind"] != "eval"]
+    assert len(kept) == len(lines) - 1  # eval_every: the last checkpoint only
+    (copy / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
+    (copy / "summary.json").unlink()
+    run_launch(strategy, copy, "resume=true")
+    final = json.loads((copy / "summary.json").read_text())["final_eval"]
+    want = json.loads((whole / "summary.json").read_text())["final_eval"]
+    assert final["step"] == STEPS and deterministic(final) == deterministic(want), strategy
+    assert [r["step"] for r in metrics_records(copy) if r["kind"] == "eval"] == [STEPS]
 
 
 def test_fsdp_gradient_accumulation_trains_like_one_process(tmp_path, single):

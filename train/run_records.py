@@ -93,10 +93,13 @@ def evaluate_at(
     tc = cfg.train
     every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
     evaluate = tc.eval_at_ckpt and (last or not every or step % every == 0)
-    if owed:
-        evaluate = evaluate and not any(e.get("step") == step for e in records.evals)
-        if (records.last_heldout or {}).get("step") == step:
-            heldout = None
+    if owed:  # the main rank holds the records: its view decides, for every rank alike
+        recorded = Ranks.current().broadcast((
+            any(e.get("step") == step for e in records.evals),
+            (records.last_heldout or {}).get("step") == step,
+        ))  # fmt: skip
+        evaluate = evaluate and not recorded[0]
+        heldout = None if recorded[1] else heldout
     if heldout is None and not evaluate:
         accelerator.wait_for_everyone()
         return
