@@ -24,14 +24,17 @@ def bot(text: str) -> dict:
     return {"role": "assistant", "content": text}
 
 
-def fake_backend(refuse: set[str] = frozenset()):
-    """An answer per prompt: its turn count as ids; records each round's prompts."""
+END = 9  # words()' end of a message, and the fake target's EOS
+
+
+def fake_backend(refuse: set[str] = frozenset(), eos: int = END):
+    """An answer per prompt: its turn count, then `eos`; records each round's prompts."""
     seen = []
 
     def answer(ids, prompts):
         seen.append([[m["content"] for m in p] for p in prompts])
         return [
-            None if p[-1]["content"] in refuse else {"ids": [len(p)], "finished": True}
+            None if p[-1]["content"] in refuse else {"ids": [len(p), eos], "finished": True}
             for p in prompts
         ]
 
@@ -39,9 +42,13 @@ def fake_backend(refuse: set[str] = frozenset()):
 
 
 def words(messages: list[dict]) -> tuple[list[int], list[int]]:
-    """A token per word + 1 per message, flagged on the assistant's messages."""
-    sizes = [(len(m["content"].split()) + 1, m["role"] == "assistant") for m in messages]
-    return [0] * sum(n for n, _ in sizes), [int(a) for n, a in sizes for _ in range(n)]
+    """A token 0 per word and END per message, flagged on the assistant's messages."""
+    ids, flags = [], []
+    for m in messages:
+        n = len(m["content"].split())
+        ids += [0] * n + [END]
+        flags += [int(m["role"] == "assistant")] * (n + 1)
+    return ids, flags
 
 
 def test_each_round_sees_the_turns_answered_before():
@@ -57,8 +64,8 @@ def test_each_round_sees_the_turns_answered_before():
         [{"role": "system", "content": "s"}, user("b1"), bot("ans2")],
     ]
     # words(): the first prompt, then each later prompt's tokens after the last answer.
-    assert out[0]["ids"] == [0, 0, 1, 0, 0, 3, 0, 0, 5]
-    assert out[0]["flags"] == [0, 0, 1, 0, 0, 1, 0, 0, 1]
+    assert out[0]["ids"] == [0, END, 1, END, 0, END, 3, END, 0, END, 5, END]
+    assert out[0]["flags"] == [0, 0, 1, 1] * 3
     assert counts == {"rounds": 3, "answered_turns": 4, "cut_short": 0, "truncated": 0}
 
 
@@ -204,3 +211,14 @@ def test_every_turn_of_a_row_is_the_targets_greedy_answer(tiny, tmp_path, turns)
     assert data.stats["regen"]["generated"] == 3
     if turns == "all":
         assert data.stats["regen_turns"]["truncated"] == 3
+
+
+def test_an_answer_ended_by_another_eos_than_the_templates_ends_its_conversation():
+    """The target stopped on an EOS id (8) that is not the end-of-turn the template closes
+    the answer with (END) in the next prompt: a row going on would hold 8 followed by the
+    next user turn, a context the target never answered from; the conversation ends there."""
+    answer, seen = fake_backend(eos=8)
+    convs = [[user("a1"), bot("x"), user("a2"), bot("y")]]
+    out, counts = regenerate_every_turn(convs, answer, words, lambda ids: "ok", 100)
+    assert seen == [[["a1"]]] and out[0]["ids"] == [0, END, 1, 8]
+    assert counts == {"rounds": 1, "answered_turns": 1, "cut_short": 1, "truncated": 0}

@@ -24,12 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def after_last_answer(ids: list[int], flags: list[int]) -> list[int] | None:
+def after_last_answer(ids: list[int], flags: list[int], answer_end: int) -> list[int] | None:
     """The prompt's tokens after its last assistant token (the end-of-turn closing the
-    previous answer): what the template puts between that answer and the next; None where
-    the prompt flags no assistant token, so the boundary cannot be found."""
+    previous answer): what the template puts between that answer and the next. None where
+    the prompt flags no assistant token, or where that token is not `answer_end`, the last
+    token the target answered with (it stopped on another of its EOS ids than the one the
+    template closes a turn with: the row would splice a context the target never saw)."""
     last = max((t for t, f in enumerate(flags) if f), default=None)
-    return None if last is None else ids[last + 1 :]
+    return None if last is None or ids[last] != answer_end else ids[last + 1 :]
 
 
 def regenerate_every_turn(
@@ -64,7 +66,7 @@ def regenerate_every_turn(
             except ValueError:  # the template cannot render this prompt
                 tokens, flags = None, None
             # The first prompt enters the row whole; a later one from the previous answer on.
-            gap = tokens if tokens is None or not answered[c] else after_last_answer(tokens, flags)
+            gap = tokens if tokens is None or not answered[c] else after_last_answer(tokens, flags, rows[c][0][-1])  # fmt: skip
             if gap is None or len(tokens) > max_prompt or prompt[-1]["role"] == "assistant":
                 counts["cut_short"] += bool(answered[c])
                 continue
