@@ -252,7 +252,7 @@ def send_share(
                     err = future.exception()
                     if isinstance(err, Refused):  # this prompt's fault: recorded, not retried
                         row = {"prompt": keys[i], "status": err.status, "error": err.message}
-                        append_line(failures, json.dumps(row) + "\n")
+                        append_line(failures, json.dumps(row) + "\n", refusals)
                         stats["refused"] += 1
                     elif err is not None:  # failed for good (after its retries)
                         raise err
@@ -266,7 +266,7 @@ def send_share(
                         )  # fmt: skip
                         row = {"prompt": keys[i], "ids": ids, "finished": stopped, "text": text}
                         # One line per answer: a crash loses only the requests in flight.
-                        append_line(answers, json.dumps(row) + "\n")
+                        append_line(answers, json.dumps(row) + "\n", out)
                         usage = answer.get("usage") or {}
                         stats["server_tokens"] += usage.get("completion_tokens") or 0
                         if usage.get("prompt_tokens") not in (None, len(prompts[i])):

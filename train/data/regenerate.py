@@ -24,6 +24,7 @@ first target of that name to ask for it, with a warning (delete it to answer afr
 from __future__ import annotations
 
 import copy
+import errno
 import fcntl
 import hashlib
 import json
@@ -201,19 +202,27 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-def append_line(f: IO[str], line: str, path: Path | None = None) -> None:
-    """`line` (ending in a newline) appended whole to the open answers file `f`, under an
-    exclusive lock: two jobs answering into one cache append to the same file, and a line
-    longer than the write buffer would otherwise reach it in pieces that interleave. With
-    `path` (the file's), a partial last line that a killed writer left is ended first."""
-    fcntl.flock(f, fcntl.LOCK_EX)
+def append_line(f: IO[str], line: str, path: Path) -> None:
+    """`line` (ending in a newline, or empty) appended whole to `path`, open for appending as
+    `f`, under an exclusive lock: two jobs answering into one cache append to the same file,
+    and a line longer than the write buffer would otherwise reach it in pieces that
+    interleave. A partial last line that a killed writer left (this job's or the other's)
+    is ended first. Where the file system has no flock (Lustre mounted noflock), unlocked."""
     try:
-        if path is not None and not _ends_with_newline(path):
+        fcntl.flock(f, fcntl.LOCK_EX)
+        locked = True
+    except OSError as err:
+        if err.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+            raise
+        locked = False
+    try:
+        if not _ends_with_newline(path):
             f.write("\n")
         f.write(line)
         f.flush()
     finally:
-        fcntl.flock(f, fcntl.LOCK_UN)
+        if locked:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @torch.no_grad()
@@ -303,7 +312,7 @@ def regenerate(
                     "text": target.tokenizer.decode(ids, skip_special_tokens=True),
                 }
                 done[keys[i]] = row
-                append_line(out, json.dumps(row) + "\n")
+                append_line(out, json.dumps(row) + "\n", shard)
                 stats["new_tokens"] += len(ids)
                 stats["generated"] += 1
                 bar.update(1)  # the rate counts every decoded token, in-flight answers' too
