@@ -83,17 +83,23 @@ def load_dtype(
     "stored": the dtype the weights are stored in (config.json's; float32 where it names
     none), which is what an export writes (train/formats/export.py: load_run_draft)."""
     if dtype == "stored":
+        if stored_dtype(config) is None:
+            raise ValueError(f"{name} is stored in {config.dtype}, which this project does not run")
         return stored_dtype(config)
     if dtype != "auto":
         return resolve_dtype(dtype)
     return resolve_dtype(choose_target_dtype("auto", config, name, device).dtype)
 
 
-def stored_dtype(config: PretrainedConfig) -> torch.dtype:
+def stored_dtype(config: PretrainedConfig) -> torch.dtype | None:
     """The dtype a checkpoint's config.json says its weights are stored in; float32 where it
-    names none (transformers' own default for a load without a dtype)."""
+    names none (transformers' own default for a load without a dtype); None for one this
+    project does not run (float64, ...): unknown, raised only where it is asked for."""
     stored = getattr(config, "dtype", None)  # transformers 5 reads torch_dtype into it
-    return resolve_dtype(str(stored).removeprefix("torch.")) if stored else torch.float32
+    try:
+        return resolve_dtype(str(stored).removeprefix("torch.")) if stored else torch.float32
+    except ValueError:
+        return None
 
 
 def hf_target_config(path: str) -> tuple[PretrainedConfig, str]:

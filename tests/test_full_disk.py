@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers import ROOT, write_rows
 from train.checkpoint import checkpoint_damage, list_checkpoints, load_checkpoint, resume_checkpoint
+from train.data.local_source import write_conversations
 
 LIMIT = 1 << 15  # bytes a file may reach in the child
 
@@ -84,8 +85,6 @@ def test_a_source_read_that_does_not_fit_leaves_nothing(tmp_path):
 
 
 def test_a_tokenized_shard_that_does_not_fit_is_never_left_under_any_name(tmp_path):
-    from train.data.local_source import write_conversations
-
     path = write_rows(tmp_path / "src.jsonl", rows(400))
     write_conversations(str(path), "train", "skip", tmp_path / "key", False)
     (shard,) = sorted((tmp_path / "key").glob("conversations-*.arrow"))

@@ -5,6 +5,7 @@ table and parallel coordinates compare runs).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path, PurePosixPath
@@ -143,9 +144,9 @@ class RunLog:
         self.earlier: list[dict] = []
         if self.main and resumed_at is not None and self.path.exists():
             lines = [ln for ln in self.path.read_text().splitlines() if ln]
-            if lines and not lines[-1].endswith("}"):  # a kill in the middle of an append
-                lines.pop()
-            records = [json.loads(ln) for ln in lines]
+            records = [json.loads(ln) for ln in lines[:-1]]
+            with contextlib.suppress(json.JSONDecodeError):  # a kill in the middle of an append
+                records += [json.loads(ln) for ln in lines[-1:]]
             self.earlier = [r for r in records if r["step"] <= resumed_at]
             # atomic: Ctrl-C here must not lose the records the run is resumed with
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.earlier))
