@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import datasets
@@ -87,33 +88,35 @@ def _any(paths) -> bool:
 
 
 # A run's phases in the order it goes through them, each with what shows it is in it now: a
-# writer's temporary name on disk, a file it appends to, or its console.
-PHASES = {
-    "data: read the source": lambda run, cache, text, since: _any(
-        (cache / "data" / "sources").glob("*.tmp-*")
-    ),  # fmt: skip
-    "data: tokenize": lambda run, cache, text, since: _any(
-        (cache / "data" / "tokenized").glob("*/*.tmp-*")
-    ),  # fmt: skip
-    "data: regenerate answers": lambda run, cache, text, since: any(
-        newer(f, since) for f in (cache / "data" / "regen").glob("*/responses*.jsonl")
-    ),  # fmt: skip
-    "feature pass": lambda run, cache, text, since: _any((cache / "features").glob(".tmp-*")),
-    "training": lambda run, cache, text, since: newer(run / "metrics.jsonl", since),
-    "checkpoint write": lambda run, cache, text, since: _any(
-        (run / "checkpoints").glob(".tmp-*")
-    ),  # fmt: skip
-    "evaluation and records": lambda run, cache, text, since: "[draftlab] training:" in text,
-}
+# writer's temporary name on disk, a file it appends to, its console, its last checkpoint.
+def phases_shown(run: Path, cache: Path, text: str, since: float, steps: int) -> dict[str, bool]:
+    trained = "[draftlab] features:" in text or newer(run / "metrics.jsonl", since)
+    return {
+        "data: read the source": _any((cache / "data" / "sources").glob("*.tmp-*")),
+        "data: tokenize": _any((cache / "data" / "tokenized").glob("*/*.tmp-*")),
+        "data: regenerate answers": any(
+            newer(f, since) for f in (cache / "data" / "regen").glob("*/responses*.jsonl")
+        ),
+        "feature pass": _any((cache / "features").glob(".tmp-*")),
+        "training": trained,
+        "checkpoint write": _any((run / "checkpoints").glob(".tmp-*")),
+        # the last checkpoint written by this launch, the summary not yet: its evaluation
+        "evaluation and records": trained
+        and (run / "checkpoints" / f"step_{steps:08d}").is_dir()
+        and not newer(run / "summary.json", since),
+    }
 
 
-def phase(log: Path, run_dir: Path, cache: Path, since: float) -> str:
-    """The phase the launch started at `since` is in now: the latest of PHASES that shows."""
-    text = log.read_text(errors="replace")
-    shown = [name for name, now in PHASES.items() if now(run_dir, cache, text, since)]
-    if "checkpoint write" in shown:  # between training steps, the one that is short
+PHASES = ("data: read the source", "data: tokenize", "data: regenerate answers", "feature pass",
+          "training", "checkpoint write", "evaluation and records")  # fmt: skip
+
+
+def phase(log: Path, run_dir: Path, cache: Path, since: float, steps: int) -> str:
+    """The phase the launch started at `since` is in now: the latest that shows."""
+    shown = phases_shown(run_dir, cache, log.read_text(errors="replace"), since, steps)
+    if shown["checkpoint write"]:  # between training steps, the one that is short
         return "checkpoint write"
-    return shown[-1] if shown else "start-up"
+    return next((name for name in reversed(PHASES) if shown[name]), "start-up")
 
 
 def newer(path: Path, since: float) -> bool:
@@ -159,20 +162,20 @@ def same(a: dict, b: dict) -> list[str]:
     return diffs
 
 
-def killed_run(i: int, targets: list[str], work: Path, cmd: list[str],
+def killed_run(i: int, targets: list[str], work: Path, cmd: list[str], steps: int,
                rng: random.Random) -> tuple[list[dict], Path]:  # fmt: skip
     """Launch `cmd` until a launch finishes; each launch is killed in the next of `targets`
     (phases) it reaches, a random moment into it (a phase it passes by unkilled, as cached
     data is, is given up). -> the kills, the run directory."""
     run_dir, cache = work / f"run{i}", work / f"cache{i}"
     records, launches, left = [], 0, list(targets)
+    order = ["start-up", *PHASES]
     while True:
         launches += 1
         log = work / f"run{i}-launch{launches}.log"
         since, proc = time.time(), launch(cmd, log)
         while left and proc.poll() is None:
-            now = phase(log, run_dir, cache, since)
-            order = ["start-up", *PHASES]
+            now = phase(log, run_dir, cache, since, steps)
             if order.index(now) > order.index(left[0]) and now != "checkpoint write":
                 left.pop(0)  # passed by: cached, or too short to catch
                 continue
@@ -180,9 +183,11 @@ def killed_run(i: int, targets: list[str], work: Path, cmd: list[str],
                 time.sleep(0.001)
                 continue
             # A random moment into it: a checkpoint write lasts milliseconds here.
-            longest = {"training": 1.0, "evaluation and records": 1.0, "checkpoint write": 0.002}
+            longest = {"training": 1.0, "evaluation and records": 0.5, "checkpoint write": 0.002}
             time.sleep(rng.uniform(0, longest.get(now, 0.02)))
-            where = phase(log, run_dir, cache, since)  # where the kill lands
+            where = phase(log, run_dir, cache, since, steps)  # where the kill lands
+            if proc.poll() is not None:  # it ended by itself meanwhile: no kill
+                break
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             left.pop(0)
@@ -190,36 +195,39 @@ def killed_run(i: int, targets: list[str], work: Path, cmd: list[str],
                             "at_s": round(time.time() - since, 2),
                             "disk": check_disk(run_dir, cache)})  # fmt: skip
             break
-        if proc.returncode == -signal.SIGKILL:
+        if proc.wait() == -signal.SIGKILL:
             continue
-        if proc.wait() != 0:
+        if proc.returncode != 0:
             raise RuntimeError(f"launch {launches} of run {i} failed: {log.read_text()[-3000:]}")
-        if left:  # finished with phases left to kill in: they were passed by
-            left.clear()
         summary = json.loads((run_dir / "summary.json").read_text())
         if records:
             records[-1]["resumed_from"] = summary.get("resumed_from")
         return records, run_dir
 
 
-def killed_export(ckpt: Path, work: Path, name: str, wall: float, rng: random.Random) -> dict:
+def killed_export(ckpt: Path, work: Path, name: str, rng: random.Random) -> dict:
+    """scripts/export.py of `ckpt` killed a random moment into writing its --out (its
+    temporary directory shows), then rerun whole."""
     out = work / name
     cmd = [sys.executable, "scripts/export.py", str(ckpt), "--format", "speculators",
            "--verifier", "org/tiny", "--out", str(out)]  # fmt: skip
-    proc = launch(cmd, work / f"{name}.log")
-    at = rng.uniform(0.5, wall)
-    try:
-        proc.wait(timeout=at)
-        where = "finished first"
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        where = "export"
+    since, proc = time.time(), launch(cmd, work / f"{name}.log")
+    where = "finished first"
+    while proc.poll() is None:
+        if _any(work.glob(f".tmp-export-{name}-*")):
+            time.sleep(rng.uniform(0, 0.003))
+            writing = _any(work.glob(f".tmp-export-{name}-*"))
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                where = "export write" if writing else "export, after the write"
+            break
+        time.sleep(0.001)
+    proc.wait()
     whole = not out.exists() or {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors"}  # fmt: skip
-    leftovers = [p.name for p in out.parent.glob(f".tmp-export-{name}-*")]
+    leftovers = [p.name for p in work.glob(f".tmp-export-{name}-*")]
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True)
-    return {"at_s": round(at, 2), "phase": where, "out_whole_or_absent": whole,
+    return {"at_s": round(time.time() - since, 2), "phase": where, "out_whole_or_absent": whole,
             "leftovers": leftovers}  # fmt: skip
 
 
@@ -263,24 +271,24 @@ def main(argv: list[str] | None = None) -> dict:
         data = "data: regenerate answers" if regenerate else "data: tokenize"
         targets = ["data: read the source", data, "feature pass",
                    *["training", "checkpoint write"] * args.repeat, "evaluation and records"]  # fmt: skip
-        want, _, ref_export, export_wall = references[regenerate]
+        want, _, ref_export, _ = references[regenerate]
         cmd = train_command(work / f"run{i}", work / f"cache{i}", source, args.steps, regenerate)
-        records, run_dir = killed_run(i, targets, work, cmd, rng)
+        records, run_dir = killed_run(i, targets, work, cmd, args.steps, rng)
         kills += records
         diffs = same(outcome(run_dir), want) + [p for r in records for p in r["disk"]]
-        ex = killed_export(list_checkpoints(run_dir)[-1], work, f"export{i}", export_wall, rng)
+        ex = killed_export(list_checkpoints(run_dir)[-1], work, f"export{i}", rng)
         for f in ("config.json", "model.safetensors"):
             if (work / f"export{i}" / f).read_bytes() != (ref_export / f).read_bytes():
                 diffs.append(f"export {f} differs")
         if not ex["out_whole_or_absent"]:
             diffs.append("a killed export left a partial --out")
         exports.append(ex)
-        survived += 0 if diffs else len(records) + (ex["phase"] == "export")
+        survived += 0 if diffs else len(records) + (ex["phase"] != "finished first")
         lost += [f"run {i}: {d}" for d in diffs]
         print(f"run {i}: {len(records)} kills at {[r['phase'] for r in records]}, "
               f"{'survived' if not diffs else 'LOST: ' + '; '.join(diffs[:5])}", flush=True)  # fmt: skip
     result = {
-        "injected": len(kills) + sum(e["phase"] == "export" for e in exports),
+        "injected": len(kills) + sum(e["phase"] != "finished first" for e in exports),
         "survived": survived,  # kills of runs (and exports) that ended as the reference did
         "lost": len(lost),  # differences from the reference, and problems found on disk
         "lost_what": lost,
@@ -288,9 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("regen" if r else "tokenized"): round(v[1], 1) for r, v in references.items()
         },  # fmt: skip
         "export_wall_s": round(references[True][3], 1),
-        "phases": {
-            p: sum(k["phase"] == p for k in kills) for p in sorted({k["phase"] for k in kills})
-        },  # fmt: skip
+        "phases": dict(sorted(Counter(k["phase"] for k in [*kills, *exports]).items())),
         "kills": kills,
         "exports": exports,
         "command": "python scripts/fault_inject.py " + " ".join(argv or sys.argv[1:]),

@@ -23,7 +23,9 @@ def harness():
 def test_killed_runs_and_exports_lose_nothing(tmp_path):
     result = harness().main(["--runs", "2", "--repeat", "1", "--steps", "40", "--workdir", str(tmp_path)])  # fmt: skip
     assert result["lost_what"] == [] and result["lost"] == 0
-    assert result["survived"] == result["injected"] >= 8  # of 2 runs x 6 phases, the data ones caught
+    assert result["survived"] == result["injected"] >= 8  # of 2 runs x 6 phases (+ 2 exports)
+    for where in ("data: read the source", "feature pass", "training", "evaluation and records"):
+        assert result["phases"].get(where), (where, result["phases"])  # every phase was hit
 
 
 @pytest.mark.slow
