@@ -224,9 +224,9 @@ def killed_export(ckpt: Path, work: Path, name: str, rng: random.Random) -> dict
         time.sleep(0.001)
     proc.wait()
     whole = not out.exists() or {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors"}  # fmt: skip
-    leftovers = [p.name for p in work.glob(f".tmp-export-{name}-*")]
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True)
+    leftovers = [p.name for p in work.glob(f".tmp-export-{name}-*")]  # the rerun cleans them
     return {"at_s": round(time.time() - since, 2), "phase": where, "out_whole_or_absent": whole,
             "leftovers": leftovers}  # fmt: skip
 
@@ -280,8 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
         for f in ("config.json", "model.safetensors"):
             if (work / f"export{i}" / f).read_bytes() != (ref_export / f).read_bytes():
                 diffs.append(f"export {f} differs")
-        if not ex["out_whole_or_absent"]:
-            diffs.append("a killed export left a partial --out")
+        if not ex["out_whole_or_absent"] or ex["leftovers"]:
+            diffs.append(f"a killed export left a partial --out or {ex['leftovers']}")
         exports.append(ex)
         survived += 0 if diffs else len(records) + (ex["phase"] != "finished first")
         lost += [f"run {i}: {d}" for d in diffs]

@@ -290,6 +290,8 @@ class FakeTokenizer:
         self.special_tokens_map = {"eos_token": eos, "pad_token": "<pad>"}
 
 
+KEY_INPUTS = ["stage1", "vocab", "special_tokens", "template", "end_tokens", "max_len", "format",
+              "transformers"]  # fmt: skip
 KEY_ARGS = {"conv_key": "rows-abc-r1", "tok": FakeTokenizer(), "template": "{{ m }}",
             "end_tokens": ["<|im_end|>"], "max_len": 512}  # fmt: skip
 
@@ -306,7 +308,7 @@ KEY_ARGS = {"conv_key": "rows-abc-r1", "tok": FakeTokenizer(), "template": "{{ m
         "FORMAT",
         "transformers",
     ],
-    ids="stage1 vocab special_tokens template end_tokens max_len format transformers".split(),
+    ids=KEY_INPUTS,
 )
 def test_every_input_of_the_tokenized_rows_key_changes_it(change, monkeypatch):
     before = local_source.tokenized_key(**KEY_ARGS)

@@ -8,6 +8,7 @@
   refused start leaves the old run as it was.
 - `out_of_space`: what a write that ran out of space says (a full disk, a quota, a file
   size limit): what was not written, that nothing of it is left, what to do.
+- `drop_dead_writers`: what writers killed mid-write left beside their output (their pid gone).
 - `write_atomic`: a temporary file beside the target, fsync'ed, renamed over it; Ctrl-C or a
   crash leaves the old file or the new one, never a part of either.
 - `write_eval_prompts` / `read_eval_prompts`: the run's held-out eval prompts (token ids
@@ -88,6 +89,21 @@ def out_of_space(err: BaseException, what: str, where: Path, fix: str) -> OSErro
         f"{what} not written: {where} ran out of space ({os.strerror(code)}); nothing of it "
         f"is left. {fix}",
     )
+
+
+def drop_dead_writers(parent: Path, prefix: str) -> None:
+    """Remove what killed writers left in `parent`: entries named `prefix` + a pid (+ "-..."),
+    `prefix` naming this host, whose process is gone; a live process's is left alone."""
+    for stale in parent.glob(f"{prefix}*"):
+        pid = stale.name.removeprefix(prefix).split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from train.data.chat import assistant_spans, encode_batch, fast_renderer, shift_mask, span_flags
 from train.data.sources import FILE_BUILDERS, check_source, guess_category, to_messages
 from train.ranks import Ranks
-from train.run_files import out_of_space
+from train.run_files import drop_dead_writers, out_of_space
 
 SHARD_ROWS = 5000
 # Raise when a stage's output changes for the same input: READ_FORMAT for stage 1 (to_messages,
@@ -224,7 +224,7 @@ def write_conversations(source: str, split: str, bad_rows: str, out: Path, progr
     the other drops its own (the same read of the same bytes)."""
     rows, unit, total = source_rows(source, split)
     host = socket.gethostname()
-    drop_dead_writers(out, host)
+    drop_dead_writers(out.parent, f"{out.name}.tmp-{host}-")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{host}-{os.getpid()}-", dir=out.parent))
     info: dict = {"unit": unit, "rows": 0, "bad_rows": 0, "bad_rows_first": []}
@@ -280,22 +280,6 @@ def write_conversations(source: str, split: str, bad_rows: str, out: Path, progr
         if not (out / "info.json").exists():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def drop_dead_writers(out: Path, host: str) -> None:
-    """Remove what killed writers of `out` on this host left beside it (their pid is gone);
-    another host's, or a live process's, is left alone."""
-    prefix = f"{out.name}.tmp-{host}-"
-    for stale in out.parent.glob(f"{prefix}*"):
-        pid = stale.name.removeprefix(prefix).split("-")[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(stale, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
 
 
 def read_source(

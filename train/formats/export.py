@@ -49,6 +49,7 @@ import inspect
 import json
 import os
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,6 +68,7 @@ from train.formats.dflash import export_dflash_speculators
 from train.formats.eagle import export_eagle, export_speculators
 from train.formats.kinds import check_kind_format, module_export_kind
 from train.formats.mtp import export_mtp_speculators
+from train.run_files import drop_dead_writers
 
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 VLLM_WEIGHTS = "model.safetensors"
@@ -341,7 +343,9 @@ def export(
     out = Path(out)
     check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
+    prefix = f".tmp-export-{out.name}-{socket.gethostname()}-"
+    drop_dead_writers(out.parent, prefix)  # what killed exports of `out` on this host left
+    tmp = out.parent / f"{prefix}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
