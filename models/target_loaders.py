@@ -83,9 +83,10 @@ def load_dtype(
     "stored": the dtype the weights are stored in (config.json's; float32 where it names
     none), which is what an export writes (train/formats/export.py: load_run_draft)."""
     if dtype == "stored":
-        if stored_dtype(config) is None:
+        stored = stored_dtype(config)
+        if stored is None:
             raise ValueError(f"{name} is stored in {config.dtype}, which this project does not run")
-        return stored_dtype(config)
+        return stored
     if dtype != "auto":
         return resolve_dtype(dtype)
     return resolve_dtype(choose_target_dtype("auto", config, name, device).dtype)

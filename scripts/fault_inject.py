@@ -126,7 +126,8 @@ def newer(path: Path, since: float) -> bool:
 def check_disk(run_dir: Path, cache: Path) -> list[str]:
     """What a reader would find broken: a damaged checkpoint under its name, an unreadable
     Arrow shard under its final name, an unparseable record."""
-    problems = [f"{c}: {checkpoint_damage(c)}" for c in list_checkpoints(run_dir) if checkpoint_damage(c)]  # fmt: skip
+    damage = {c: checkpoint_damage(c) for c in list_checkpoints(run_dir)}
+    problems = [f"{c}: {why}" for c, why in damage.items() if why]
     for shard in cache.rglob("*.arrow"):
         if ".tmp" in str(shard.relative_to(cache)):
             continue  # a writer's own temporary name: never read

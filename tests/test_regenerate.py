@@ -12,7 +12,7 @@ from tests.helpers import CONF, greedy_tokens, write_rows
 from train.data.answer_batch import SlotCache, answer_prompts, decode_step
 from train.data.chat import CHAT_TEMPLATES, resolve_chat_template
 from train.data.prepare import prepare_data
-from train.data.regenerate import regenerate
+from train.data.regenerate import append_line, regenerate
 
 
 def test_regenerated_answers_are_the_targets_greedy_output(tiny_target, tmp_path):
@@ -186,3 +186,16 @@ def test_sampled_answers_do_not_depend_on_the_slots(tiny_target):
     alone = answer_prompts(tiny_target, prompts, slots=1, seeds=[1, 2, 3, 4], **kw)
     assert answer_prompts(tiny_target, prompts, slots=3, seeds=[1, 2, 3, 4], **kw) == alone
     assert answer_prompts(tiny_target, prompts, slots=3, seeds=[5, 6, 7, 8], **kw) != alone
+
+
+def test_an_append_after_another_writers_cut_line_starts_a_line_of_its_own(tmp_path):
+    """Two jobs append to one answers file; the other one is killed mid-line between this
+    job's appends: this job's next line is not glued onto the cut one."""
+    path = tmp_path / "responses.jsonl"
+    path.write_text('{"a": 1}\n')
+    with path.open("a") as mine:
+        append_line(mine, '{"x": 1}\n', path)
+        with path.open("a") as other:
+            other.write('{"cut')  # killed here
+        append_line(mine, '{"y": 1}\n', path)
+    assert path.read_text().splitlines() == ['{"a": 1}', '{"x": 1}', '{"cut', '{"y": 1}']

@@ -232,8 +232,6 @@ def send_share(
     left, pending = iter(share), {}
     try:
         with out.open("a") as answers, refusals.open("a") as failures:
-            for f, path in ((answers, out), (failures, refusals)):
-                append_line(f, "", path)  # a crash left a partial last line: end it
             while True:
                 # A bounded window of requests (not all of them at once: 10^6 futures), kept
                 # full; no new request once the run is sure to be refused.

@@ -203,11 +203,11 @@ def _ends_with_newline(path: Path) -> bool:
 
 
 def append_line(f: IO[str], line: str, path: Path) -> None:
-    """`line` (ending in a newline, or empty) appended whole to `path`, open for appending as
-    `f`, under an exclusive lock: two jobs answering into one cache append to the same file,
-    and a line longer than the write buffer would otherwise reach it in pieces that
-    interleave. A partial last line that a killed writer left (this job's or the other's)
-    is ended first. Where the file system has no flock (Lustre mounted noflock), unlocked."""
+    """`line` (ending in a newline) appended whole to `path`, open for appending as `f`, under
+    an exclusive lock: two jobs answering into one cache append to the same file, and the
+    check for a partial last line that a killed writer left (this job's or the other's; it
+    is ended first) must not race the other job's append. Where the file system has no flock
+    (Lustre mounted noflock), unlocked."""
     try:
         fcntl.flock(f, fcntl.LOCK_EX)
         locked = True
@@ -301,7 +301,6 @@ def regenerate(
                    disable=not (progress and ranks.main))  # fmt: skip
         t0 = time.perf_counter()
         with shard.open("a") as out:
-            append_line(out, "", shard)  # a crash left a partial last line: end it
 
             def save(position: int, new: list[int]) -> None:  # as each answer ends
                 i, ids = share[position], list(new)  # an answer ends at its first EOS
