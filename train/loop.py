@@ -38,8 +38,9 @@ from train.data.prompt_file import ood_prompts
 from train.formats.init_from import check_init_from
 from train.identity import Resumed, check_resume, run_identity
 from train.machine import choose_autocast, share_threads
-from train.memory_plan import MemoryPlan, process_memory
+from train.memory_plan import MemoryPlan
 from train.optimizers import build_optimizer, optimizer_settings
+from train.phase_memory import PhaseMemory
 from train.ranks import Ranks
 from train.report.tracking import RunLog, finish_tracking, init_tracking
 from train.run_files import (
@@ -81,16 +82,15 @@ def progress_bar(cfg: DictConfig, start_step: int, train_s: float, main: bool) -
     )  # fmt: skip
 
 
-def measured_memory(plan: MemoryPlan, device: torch.device) -> dict:
+def measured_memory(plan: MemoryPlan, memory: PhaseMemory) -> dict:
     """The main rank's memory plan (train/memory_plan.py) beside what it measured: the
-    process's peak RSS and, on CUDA, the peak memory torch allocated."""
-    cuda = device.type == "cuda"
-    return {
-        "plan_peak_bytes": plan.peak_bytes(),
-        "peak_rss_bytes": process_memory("VmHWM"),
-        "peak_cuda_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-        "plan": plan.as_record(),
-    }
+    process's peak RSS and, on CUDA, the peak memory torch allocated, each overall and per
+    phase (train/phase_memory.py), with the plan's figure for each phase."""
+    measured = memory.record()
+    planned = plan.phase_bytes()
+    for name, phase in measured["phases"].items():
+        phase["plan_bytes"] = planned.get(name)
+    return {"plan_peak_bytes": plan.peak_bytes(), **measured, "plan": plan.as_record()}
 
 
 def to_device(batch: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, torch.Tensor]:
@@ -123,6 +123,7 @@ def train_run(cfg: DictConfig) -> dict:
     check_settings(cfg)  # every decode / replay / loop setting, before anything is loaded
     strategy = launch_strategy(cfg)  # single / DDP / FSDP, or the launch refused with why
     accelerator = make_accelerator(cfg)
+    memory = PhaseMemory(accelerator.device)  # peak RSS per phase: summary.json's memory
     check_processes(strategy, accelerator)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes  # fmt: skip
     run_dir, tc = Path(cfg.run_dir), cfg.train
@@ -145,7 +146,10 @@ def train_run(cfg: DictConfig) -> dict:
             print(f"[resume] {note}", flush=True)
     elif cfg.draft.get("init_from"):
         check_init_from(cfg.draft, target)
-    prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True), ranks=ranks)
+    with memory.phase("data"):  # the target's regeneration of answers, when not cached
+        prepared = prepare_data(
+            target, **OmegaConf.to_container(cfg.data, resolve=True), ranks=ranks
+        )
     if tc.eval_at_ckpt or tc.get("heldout_proxy"):  # eval prompts + new tokens fit the window
         check_decode_context(target, cfg.decode, prepared.eval_prompts)
         ood = ood_prompts(
@@ -157,7 +161,8 @@ def train_run(cfg: DictConfig) -> dict:
     dtypes = {"train_target": target_choice}
     draft = build_draft(cfg, target, prepared, warm_start=resume_from is None)
     offsets = preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
-    features = feature_cache(cfg, accelerator, target, draft, train_rows)
+    with memory.phase("feature pass"):
+        features = feature_cache(cfg, accelerator, target, draft, train_rows)
     setup = StepSetup.from_config(cfg, offsets)
     dtypes["train_draft"] = choose_autocast(
         tc.bf16, cfg, target, draft, setup, train_rows[0], ranks
@@ -169,7 +174,8 @@ def train_run(cfg: DictConfig) -> dict:
         setup = replace(setup, autocast=dtypes["train_draft"].dtype == "bfloat16")
     if strategy.kind == "fsdp" and accelerator.mixed_precision == "bf16":
         setup = replace(setup, autocast=True)  # accelerate's autocast comes with prepare only
-    heldout = heldout_proxy(cfg, target, prepared, setup)  # None unless train.heldout_proxy
+    with memory.phase("feature pass"):  # None unless train.heldout_proxy: its rows' taps
+        heldout = heldout_proxy(cfg, target, prepared, setup)
     if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError("the draft has no trainable parameters; check draft.model settings")
     # FSDP: before the optimizer sees it; weights the draft shares with the target (Medusa-2's
@@ -211,7 +217,7 @@ def train_run(cfg: DictConfig) -> dict:
     init_tracking(accelerator, cfg, run_dir)
     records = RunRecords.resumed(
         log.earlier, resume_from, rows_consumed=resumed.rows_consumed if resumed else 0,
-        schedule=sched, identity=run_identity(cfg, target, core),
+        schedule=sched, identity=run_identity(cfg, target, core), memory=memory,
     )  # fmt: skip
     window = StepWindow(len(offsets), proxy_tags(cfg.decode))
     rows_per_step = tc.batch_size * world * tc.grad_accum
@@ -220,6 +226,7 @@ def train_run(cfg: DictConfig) -> dict:
 
     # -- the loop ---------------------------------------------------------------------
     done = start_step
+    memory.begin("training")  # its evaluations are phases of their own
     out_of_time = budget is not None and clock["train_s"] >= budget  # spent before a resume
     if resume_from is not None:  # what a kill between the checkpoint and its evaluation lost
         evaluate_at(cfg, accelerator, strategy, core, target, prepared, records, log,
@@ -265,6 +272,7 @@ def train_run(cfg: DictConfig) -> dict:
         if out_of_time:
             break
     bar.close()
+    memory.end()
 
     summary = {}
     if main:
@@ -284,7 +292,7 @@ def train_run(cfg: DictConfig) -> dict:
             "data_stats": prepared.stats,
             "threads": threads,  # torch threads per process and why (train/machine.py)
             "dtypes": {use: choice.as_record() for use, choice in dtypes.items()},
-            "memory": measured_memory(plan, accelerator.device),  # the plan beside the peak
+            "memory": measured_memory(plan, memory),  # the plan beside the peak
         }
         summary = write_summary(cfg, run_dir, summary, records)
         finish_tracking(accelerator, cfg, summary)

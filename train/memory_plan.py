@@ -109,8 +109,21 @@ class MemoryPlan:
         fixed = self.baseline_bytes + self.target_bytes + state
         return fixed + max(act or 0, self.evaluation_bytes, self.heldout_bytes)
 
+    def phase_bytes(self) -> dict[str, int]:
+        """The most one rank holds in each phase of a run (train/phase_memory.py's names)."""
+        state = self.draft_bytes + self.gradient_bytes + self.optimizer_bytes
+        loaded = self.baseline_bytes + self.target_bytes
+        return {
+            "start-up": loaded + state,
+            "data": loaded,
+            "feature pass": loaded + self.draft_bytes,
+            "training": loaded + state + (self.activation_bytes or 0),
+            "held-out proxy": loaded + state + self.heldout_bytes,
+            "evaluation": loaded + state + self.evaluation_bytes,
+        }
+
     def as_record(self) -> dict:
-        return {**asdict(self), "peak_bytes": self.peak_bytes()}
+        return {**asdict(self), "peak_bytes": self.peak_bytes(), "phases": self.phase_bytes()}
 
 
 def meta_target(config: PretrainedConfig, dtype: torch.dtype, name: str) -> Target:

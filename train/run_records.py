@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from train.data.prepare import PreparedData
 from train.eval_compile import DecodeCopies
 from train.evaluate import evaluate_checkpoint, format_eval_table
 from train.heldout import PREFIX, HeldOut
+from train.phase_memory import PhaseMemory
 from train.ranks import Ranks
 from train.replay import Replay
 from train.report.plots import save_learning_curve
@@ -41,6 +43,10 @@ class RunRecords:
     rows_consumed: int = 0  # rows of the seeded stream trained on, all segments of the run
     schedule: dict = field(default_factory=dict)  # the LR schedule's settings, as it started
     identity: dict | None = None  # identity.json of every checkpoint (train/identity.py)
+    memory: PhaseMemory | None = None  # peak memory per phase (train/phase_memory.py)
+
+    def phase(self, name: str) -> AbstractContextManager:
+        return self.memory.phase(name) if self.memory is not None else nullcontext()
 
     @classmethod
     def resumed(cls, earlier: list[dict], checkpoint: Path | None, **facts) -> RunRecords:
@@ -65,6 +71,18 @@ def checkpoint_and_evaluate(
     evaluation with the shared decoder (every rank decodes its share of the prompts,
     train/evaluate.py; the main rank records), both with the full draft, never the
     FSDP-sharded module (train/strategy.py)."""
+    with records.phase("checkpoint"):
+        write_checkpoint(cfg, accelerator, strategy, draft, optimizer, scheduler, replay,
+                         records, step, train_s, loss)  # fmt: skip
+    evaluate_at(cfg, accelerator, strategy, core, target, prepared, records, log, step, last,
+                train_s, heldout)  # fmt: skip
+
+
+def write_checkpoint(
+    cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, draft, optimizer, scheduler,
+    replay: Replay | None, records: RunRecords, step: int, train_s: float, loss: float,
+) -> None:  # fmt: skip
+    """Gather the state (every rank takes part) and write checkpoint `step` (the main rank)."""
     tc, world = cfg.train, accelerator.num_processes
     draft_state, optim_state = full_state(strategy, accelerator, draft, optimizer)  # gathers
     rng_all = gather_object([rng_state()])  # one entry per rank
@@ -77,8 +95,6 @@ def checkpoint_and_evaluate(
             tc.keep_last, meta={"loss": loss, "name": str(cfg.name), "train_s": round(train_s, 2)},
             config_yaml=OmegaConf.to_yaml(cfg, resolve=True), identity=records.identity,
         ))  # fmt: skip
-    evaluate_at(cfg, accelerator, strategy, core, target, prepared, records, log, step, last,
-                train_s, heldout)  # fmt: skip
 
 
 def evaluate_at(
@@ -106,17 +122,19 @@ def evaluate_at(
     with eval_draft(strategy, core) as full:  # under FSDP every rank streams the weights in
         if heldout is not None and accelerator.is_main_process:
             rng = rng_state()  # a draft that samples positions (DFlash) must not shift training's
-            held = {k: v for proxy in heldout for k, v in proxy.record(full, target).items()}
+            with records.phase("held-out proxy"):
+                held = {k: v for proxy in heldout for k, v in proxy.record(full, target).items()}
             set_rng_state(rng)
             records.last_heldout = {"step": step, "train_s": round(train_s, 2), **held}
             log.write({"kind": "heldout", **records.last_heldout})
         if evaluate:
             rng = rng_state()  # evaluation must not shift the training RNG stream
             started = time.perf_counter()
-            result, records.decode_copies = evaluate_checkpoint(
-                target, full, prepared.eval_prompts, cfg, records.last_train,
-                records.decode_copies, Ranks.current(),
-            )  # fmt: skip
+            with records.phase("evaluation"):
+                result, records.decode_copies = evaluate_checkpoint(
+                    target, full, prepared.eval_prompts, cfg, records.last_train,
+                    records.decode_copies, Ranks.current(),
+                )  # fmt: skip
             set_rng_state(rng)
             result["step"] = step
             result["train_s"] = round(train_s, 2)  # training seconds behind it: learning curves

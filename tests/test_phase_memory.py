@@ -1,0 +1,39 @@
+"""Peak RSS per phase (train/phase_memory.py): a phase's peak is its own, not an earlier one's."""
+
+import sys
+
+import pytest
+import torch
+
+from train.memory_plan import process_memory
+from train.phase_memory import PhaseMemory, reset_peak_rss
+
+MB = 2**20
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not reset_peak_rss(), reason="needs /proc clear_refs"
+)
+
+
+def touch(nbytes: int) -> None:
+    """Allocate and write `nbytes` (every page resident), then free them."""
+    block = torch.ones(nbytes // 4, dtype=torch.float32)
+    del block
+
+
+def test_each_phase_reads_its_own_peak_and_the_run_the_largest():
+    reset_peak_rss()  # the test process's earlier peaks are not this run's
+    floor = process_memory("VmRSS")  # the process as it is: every phase holds at least this
+    memory = PhaseMemory(torch.device("cpu"))
+    with memory.phase("big"):
+        touch(400 * MB)
+    with memory.phase("small"):
+        touch(40 * MB)
+        with memory.phase("nested"):
+            touch(200 * MB)
+    record = memory.record()
+    peaks = {name: p["peak_rss_bytes"] for name, p in record["phases"].items()}
+    assert peaks["big"] - floor > 380 * MB
+    assert peaks["nested"] - floor > 180 * MB
+    # the 400 MB of "big" and the 200 MB of "nested" are not "small"'s: it read its own peak
+    assert peaks["small"] - floor < 120 * MB
+    assert record["peak_rss_bytes"] == max(peaks.values()) == peaks["big"]

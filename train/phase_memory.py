@@ -1,0 +1,87 @@
+"""Peak memory per phase of a run, measured: what train/memory_plan.py's phase lines are
+checked against (summary.json `memory.phases`).
+
+A process's peak RSS (`VmHWM`) only grows, so one figure says nothing of which phase set
+it. Linux resets it to the current RSS when "5" is written to /proc/self/clear_refs: each
+phase starts from a reset and reads its own peak when it ends (a nested phase, such as an
+evaluation inside training, is its own phase: the enclosing one resumes from a reset after
+it). The run's overall peak is the largest of them. On CUDA the same is done with
+`torch.cuda.reset_peak_memory_stats` / `max_memory_allocated`. Where neither file exists
+(not Linux), every phase reads None and the overall peak is VmHWM's or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from train.memory_plan import process_memory
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS; False where the kernel cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PhaseMemory:
+    """`with memory.phase("training"): ...` records that phase's peak RSS (and CUDA
+    allocation); phases may nest and repeat (a repeated phase keeps its largest peak).
+    What runs outside every phase is `outside` (the start-up: interpreter, target load)."""
+
+    def __init__(self, device: torch.device, outside: str = "start-up") -> None:
+        self.cuda = device if device.type == "cuda" else None
+        self.rss: dict[str, int | None] = {}
+        self.cuda_peak: dict[str, int] = {}
+        self.stack = [outside]
+        self.resets = True  # until the kernel refuses one
+
+    def close_current(self) -> None:
+        """Fold the peak since the last reset into the phase on top, then reset."""
+        name = self.stack[-1]
+        peak = process_memory("VmHWM")
+        if peak is not None:
+            self.rss[name] = max(self.rss.get(name) or 0, peak)
+        if self.cuda is not None:
+            allocated = torch.cuda.max_memory_allocated(self.cuda)
+            self.cuda_peak[name] = max(self.cuda_peak.get(name, 0), allocated)
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+        self.resets = self.resets and reset_peak_rss()
+
+    def begin(self, name: str) -> None:
+        self.close_current()
+        self.stack.append(name)
+
+    def end(self) -> None:
+        self.close_current()
+        self.stack.pop()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.begin(name)
+        try:
+            yield
+        finally:
+            self.end()
+
+    def record(self) -> dict:
+        """{"peak_rss_bytes": the run's peak so far, "phases": {name: {"peak_rss_bytes",
+        "peak_cuda_allocated_bytes"}}}; without resets (not Linux) the phases after the first
+        hold the run's peak so far, not their own, and are left out."""
+        self.close_current()
+        known = [b for b in self.rss.values() if b is not None]
+        phases = {
+            name: {"peak_rss_bytes": peak, "peak_cuda_allocated_bytes": self.cuda_peak.get(name)}
+            for name, peak in self.rss.items()
+        }
+        return {
+            "peak_rss_bytes": max(known) if known else process_memory("VmHWM"),
+            "peak_cuda_allocated_bytes": max(self.cuda_peak.values(), default=None),
+            "phases": phases if self.resets else {},
+        }
