@@ -15,7 +15,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import train.resolvers  # noqa: F401  (${safe_dirname:}, which run_dir uses)
+import train.run.resolvers  # noqa: F401  (${safe_dirname:}, which run_dir uses)
 from train.loop import run
 
 

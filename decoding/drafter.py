@@ -47,10 +47,10 @@ class Drafter(Protocol):
     vocab_size: int | None
 
     # What a drafter of a trained draft kind declares (decoding/drafters: DRAFTERS), read by
-    # the start-up checks before any model is loaded (train/settings.py):
+    # the start-up checks before any model is loaded (train/run/settings.py):
     # the decode.tree.kind values its `propose_tree` drafts (() = chains only),
     tree_kinds: ClassVar[tuple[str, ...]]
-    # whether its draft can train on the positions an on-policy rollout picks (train/replay.py),
+    # whether its draft can train on the positions an on-policy rollout picks (train/core/replay.py),
     replayable: ClassVar[bool]
 
     @staticmethod

@@ -1,5 +1,5 @@
 """Seconds of one forward through a target as decoding calls it, eager or compiled: what the
-evaluation plan (train/eval_plan.py) weighs its dtype and path verdicts by."""
+evaluation plan (train/eval/plan.py) weighs its dtype and path verdicts by."""
 
 from __future__ import annotations
 

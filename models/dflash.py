@@ -33,7 +33,7 @@ emits. A block anchored in the prompt would train nothing (every offset outside 
 mask) and cost a full block. Without a loss mask every real position is a candidate. The
 logits come back at the sampled positions only (`DraftOutput.positions`, [B, N]; -1 pads
 rows with fewer anchors) and the training step gathers the target there
-(train/step_stats.py). `num_anchors=None` takes every candidate.
+(train/core/step_stats.py). `num_anchors=None` takes every candidate.
 
 Frozen pieces from the target at call time: the embedding (the anchor token) and the output
 head (with a reduced vocabulary, models/vocab.py: its rows at the draft ids `vocab_ids`).

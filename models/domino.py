@@ -19,7 +19,7 @@ from `lambda_start` (1) to 0 over the first `decay_ratio` of training, then 0 (S
 speculators `linear_lambda_base`). The backbone first learns to stand alone, then the
 correction takes over. The training loop reports progress through `set_progress`; a draft
 never told its progress trains the corrected logits only (w = 0), as speculators does
-without a schedule horizon. The step blends the two losses (train/step_stats.py) from
+without a schedule horizon. The step blends the two losses (train/core/step_stats.py) from
 `DraftOutput.base_logits` and `base_loss_weight`.
 
 Why a subclass in its own file, not a flag of DFlashDraft: Domino adds parameters, a

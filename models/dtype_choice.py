@@ -137,7 +137,7 @@ def choose_measured(
     """The faster of `candidates` by `measure(name)` (seconds; the first listed wins a tie),
     read from the cache when this machine measured the same use and shapes before, and
     written to it otherwise. Dtypes use it through `choose_dtype`; the compiled path's choice
-    (train/eval_plan.py, `decode.compile=auto`) with candidates ("eager", "compiled")."""
+    (train/eval/plan.py, `decode.compile=auto`) with candidates ("eager", "compiled")."""
     key = {**machine_key(), "use": use, "shapes": shapes}
     path = cache_file(cache_dir, key)
     if path.is_file():

@@ -6,6 +6,8 @@ Casting a draft or a target for decoding goes through `cast_keep_rotary`, never 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -41,3 +43,22 @@ def cast_keep_rotary(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         owner, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(owner), leaf, buf.float())
     return module
+
+
+def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the draft in the decoding dtype with float32 rotary frequencies (drafters
+    may freeze or convert the module they wrap; the trained draft is untouched). Medusa-2's
+    adapted backbone (the target's weights with LoRA beside them) is neither copied nor
+    cast: the copy refers to it, and its `decoding_target` reads the LoRA from it."""
+    backbone = getattr(draft, "adapted", None)
+    if backbone is None:
+        return cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
+    draft.adapted = None
+    try:
+        copy_ = cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
+    finally:
+        draft.adapted = backbone
+    # a plain attribute, not a submodule: nothing done to the copy (.to, .eval, freezing)
+    # reaches the training draft's LoRA
+    object.__setattr__(copy_, "adapted", backbone)
+    return copy_

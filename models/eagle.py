@@ -308,7 +308,7 @@ class EagleDraft(nn.Module):
     def feature_loss(self, hiddens: list[Tensor], target_feature: Tensor, valid: Tensor) -> Tensor:
         """SmoothL1 between step s's hidden at anchor t and the target's f_{t+s+1}, summed over
         real positions (EAGLE-1 regresses on every token, prompt included); mean over steps.
-        The training step divides it by the global batch's real tokens (train/step.py), so
+        The training step divides it by the global batch's real tokens (train/core/step.py), so
         ranks and micro-batches split the batch without changing the loss."""
         T = target_feature.shape[1]
         losses = []

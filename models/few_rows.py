@@ -6,7 +6,7 @@ one). On the 2-core AVX2 EPYC, float32, medians of 50: the SmolLM2 head (N = 491
 at m = 4 took 22.0 ms as F.linear and 9.0 ms as W @ x^T (m = 1: 9.3 and 9.0 ms); a whole eager
 verify of 4 tokens over 160 cached, 122 ms against 92 ms with every linear so written, an
 AR step unchanged (~70 ms), interleaved. Other CPUs and bf16 kernels differ, so the layout is
-a measured verdict per machine like a dtype (train/eval_plan.py: `products_choice`), never a
+a measured verdict per machine like a dtype (train/eval/plan.py: `products_choice`), never a
 habit. Beyond `MAX_ROWS` rows (a training batch, a regeneration step) F.linear runs as before.
 
 The swap changes the class of the model's own nn.Linear modules in place (`__class__`):

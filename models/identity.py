@@ -1,5 +1,5 @@
 """A fingerprint of a model's weights: which weights a checkpoint was trained on, and what
-keys the caches of the target's features and answers (train/feature_cache.py,
+keys the caches of the target's features and answers (train/core/feature_cache.py,
 train/data/regenerate.py), so re-saved weights at the same path or hub id are never taken
 for the old ones.
 

@@ -22,7 +22,7 @@ LoRA matrices float32 whatever the target's dtype. The training loop keeps runni
 frozen original target under no-grad; its logits are the teacher for every head AND for the
 adapted backbone's own next-token prediction (lm_loss_weight * KL(p_target || p_adapted)
 over all real tokens, computed by the training step from `DraftOutput.adapted_logits`:
-train/step_stats.py), which keeps the adapted model's outputs where they were. The heads
+train/core/step_stats.py), which keeps the adapted model's outputs where they were. The heads
 read the adapted hidden state. The frozen base weights are dropped from `state_dict`, so a
 checkpoint holds only the heads and the LoRA matrices. At decode time `decoding_target()`
 gives the adapted model to verify with (again over the decoding target's own weights, the
@@ -148,7 +148,7 @@ class MedusaHeads(nn.Module):
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             ).last_hidden_state  # [B, T, H], grads flow into the LoRA matrices
             # The adapted model's own next-token logits: the training step adds
-            # lm_loss_weight * KL(p_target || p_adapted) (train/step.py: aux_loss).
+            # lm_loss_weight * KL(p_target || p_adapted) (train/core/step.py: aux_loss).
             adapted_logits = target.head_logits(hidden.to(target.dtype))  # [B, T, V]
         logits = self.head_logits(hidden, target)  # K x [B, T, V]
         return DraftOutput(

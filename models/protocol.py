@@ -38,7 +38,7 @@ class DraftOutput:
     vocab_ids: Tensor | None = None  # [V_draft] long
     # A draft that adapts the target (Medusa-2's LoRA): the adapted model's own next-token
     # logits [B, T, V] and the weight of its LM loss, weight * KL(p_target || p_adapted)
-    # over real tokens, which the training step computes (train/step.py: aux_loss).
+    # over real tokens, which the training step computes (train/core/step.py: aux_loss).
     adapted_logits: Tensor | None = None
     adapted_loss_weight: float = 0.0
     # A draft trained at sampled positions only (DFlash / Domino anchors): logits[i] is

@@ -43,7 +43,7 @@ class Target:
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase | None,
         name: str,
-        check_head: bool = True,  # False: a model on the meta device (train/memory_plan.py)
+        check_head: bool = True,  # False: a model on the meta device (train/run/memory_plan.py)
         stored_dtype: torch.dtype | None = None,  # the weights' dtype on disk (None: unknown)
     ):
         self.model = model.eval().requires_grad_(False)
@@ -281,3 +281,13 @@ class Target:
             "full_attention": mask,
             "sliding_attention": mask.masked_fill(too_far[:, None], blocked),
         }
+
+
+def decode_copy(target: Target, dtype: torch.dtype) -> Target:
+    """The target in the decoding dtype: the training target itself when it already has
+    that dtype, else a frozen copy with float32 rotary frequencies (the training target is
+    untouched)."""
+    if target.dtype == dtype:
+        return target
+    model = cast_keep_rotary(copy.deepcopy(target.model), dtype)
+    return Target(model, target.tokenizer, name=target.name)

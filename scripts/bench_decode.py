@@ -9,7 +9,7 @@ Rows (batch 1, one process):
   ours_spec_ngram   our loop with n-gram prompt lookup
   hf_assisted       transformers assisted generation with the same draft LM (assistant_model=)
   hf_prompt_lookup  transformers prompt lookup (prompt_lookup_num_tokens=)
-Trained heads (checkpoint directories, train/checkpoint.py; `fresh` = untrained heads, for
+Trained heads (checkpoint directories, train/core/checkpoint.py; `fresh` = untrained heads, for
 smoke runs only) add chain vs tree rows (decoding/tree.py):
   ours_medusa_chain / ours_medusa_static     Medusa heads, k-chain / static tree (--paths)
   ours_eagle_chain / ours_eagle_dynamic      EAGLE heads, k-chain / EAGLE-2 dynamic tree
@@ -90,7 +90,7 @@ from models.dtype_choice import machine_key
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from models.target_loaders import build_tiny_random, load_smollm2
-from train.checkpoint import load_draft
+from train.core.checkpoint import load_draft
 
 
 def load_heads(kind: str, path: str, target: Target) -> torch.nn.Module:

@@ -3,9 +3,9 @@
     python scripts/bench_loss_grad.py --out runs/bench/loss_grad.json
     python scripts/bench_loss_grad.py --rows 512 --vocab 8192 --repeats 8
 
-`lk_lambda` (train/losses.py) computes its gradient by hand in the forward pass
+`lk_lambda` (train/losses/divergences.py) computes its gradient by hand in the forward pass
 (`_LKLambdaRows`). The reference is the same maths through autograd as the other losses run
-it (train/loss_rows.py): the decoder's alpha (`alpha_rows`) and KL over the draft ids
+it (train/losses/rows.py): the decoder's alpha (`alpha_rows`) and KL over the draft ids
 (`forward_kl_rows`), one activation-checkpointed chunk (`masked_reduce`). Both run on one
 [rows, vocab] chunk with a reduced vocabulary (the full row's logsumexp passed), interleaved, the order swapped every
 repeat; the first repeat of each is a warm-up. Prints and writes JSON: the machine, the
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from models.dtype_choice import machine_key
-from train.loss_rows import alpha_rows, forward_kl_rows, masked_reduce
-from train.losses import lk_lambda
+from train.losses.divergences import lk_lambda
+from train.losses.rows import alpha_rows, forward_kl_rows, masked_reduce
 
 
 def _autograd_rows(draft, target, log_norm, temperature: float, eta: float):  # noqa: ANN001

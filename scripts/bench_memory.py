@@ -7,8 +7,8 @@ SmolLM2) with two checkpoints, the held-out proxy and an eager evaluation at eac
     python scripts/bench_memory.py --summary runs/eagle_tv/.../summary.json   # add a run's
 
 Each run writes summary.json `memory` (train/loop.py): the plan's bytes per phase
-(train/memory_plan.py: MemoryPlan.phase_bytes) beside the main rank's measured peak RSS in
-that phase (train/phase_memory.py). Runs one at a time (each rank one thread); prints a
+(train/run/memory_plan.py: MemoryPlan.phase_bytes) beside the main rank's measured peak RSS in
+that phase (train/run/phase_memory.py). Runs one at a time (each rank one thread); prints a
 table and writes JSON: per run its command, the plan and the peak per phase, and
 measured / plan. `--summary` adds finished runs (the README's first run) to the table.
 """

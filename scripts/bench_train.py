@@ -5,7 +5,7 @@
 
 Rows: the frozen target in float32 / bfloat16 x the draft's forward and loss without / with
 bf16 autocast: what `target.dtype: auto` and `train.bf16: auto` choose between
-(train/machine.py). Each row times the loop's own `train_step` (target forward, draft
+(train/run/machine.py). Each row times the loop's own `train_step` (target forward, draft
 forward, losses, backward, clipping; no optimizer update, so every repeat trains the same
 weights) on the experiment's batch (train.batch_size rows of the training data, in the
 loop's first-epoch order). The rows run INTERLEAVED, the order rotated by one per repeat,
@@ -31,10 +31,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from models.dtype_choice import machine_key
+from train.core.schedule import global_rows, rank_chunks
+from train.core.step import StepSetup, train_step
 from train.data.prepare import collate, prepare_data
-from train.run_setup import preflight
-from train.schedule import global_rows, rank_chunks
-from train.step import StepSetup, train_step
+from train.run.setup import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_DTYPES = ("float32", "bfloat16")

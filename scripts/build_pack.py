@@ -29,7 +29,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from train.compose import compose_target_data
 from train.data.chat import resolve_chat_template, tokenize_conversation
 from train.data.corpus import embedded_conversations, held_out_prompts
 from train.data.pack import git_commit, template_hash, write_pack
@@ -37,6 +36,7 @@ from train.data.prompt_file import BUILTIN_OOD, ood_prompt_texts
 from train.data.regenerate import regen_dtype_choice, regenerate
 from train.data.self_prompts import NearCopies, self_prompts
 from train.formats.export import load_target
+from train.run.compose import compose_target_data
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -6,7 +6,7 @@
         --points pack:28000 pack:100000 pack:300000 pack:1000000 --out docs/reports/curve_pack
 
 Every point is one `train.py +experiment=eagle_tv` run at a FIXED step budget (no time
-budget, no decode evaluation: the held-out proxy of train/heldout.py measures it, and a
+budget, no decode evaluation: the held-out proxy of train/eval/heldout.py measures it, and a
 step count does not depend on the machine's load): the recipe's regenerated answers plus
 N rows of one more stream, `raw` (data.num_raw_chunks: chunks of stdlib modules and play
 scenes, labelled by the target itself under KL / TV losses), `reference` (data.num_reference:

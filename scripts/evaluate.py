@@ -11,16 +11,16 @@
     python scripts/evaluate.py CKPT target.device=cuda decode.compile=true
     python scripts/evaluate.py --init-from out/medusa +experiment=medusa_kl   # an imported draft
 
-CKPT is a `<run_dir>/checkpoints/step_N` directory written by train/checkpoint.py, or a run
+CKPT is a `<run_dir>/checkpoints/step_N` directory written by train/core/checkpoint.py, or a run
 directory (its newest checkpoint). Its config is the run's full resolved config:
 CKPT/config.yaml, or for a checkpoint without one the run's config.yaml two levels above (the
 first segment's: a resumed run writes its own config.resume-<step>.yaml beside it). It
 supplies the target, the data and the decode settings. What the checkpoint was trained with
 (its identity.json: the draft's settings, the target's weights and chat template;
-train/identity.py) is compared with the config after the overrides, and a difference is
+train/run/identity.py) is compared with the config after the overrides, and a difference is
 refused with the overrides that match: a moved target evaluates, other weights do not. With no override this reproduces the
 run's own final evaluation of that checkpoint exactly (same τ, α_i, acceptance histogram; only
-the timings, tokens/s and speedup, vary): both go through train.evaluate.evaluate_checkpoint,
+the timings, tokens/s and speedup, vary): both go through train.eval.evaluate.evaluate_checkpoint,
 and the output has its keys ("greedy/tau", "T0.7/alpha", ..., defined in docs/design.md),
 without the training proxy's.
 
@@ -34,11 +34,11 @@ Hydra, the group choices come first wherever they stand, then the keys in order
 (`decode=tree_dynamic decode.num_prompts=24`: the group's decode settings, then 24 prompts).
 The run's config is resolved, so `device=` does not reach the target: write
 `target.device=cuda`. Decode settings are checked as at the start of training
-(train.settings: check_decode, check_draft_decode: a k beyond what one round of the draft
+(train.run.settings: check_decode, check_draft_decode: a k beyond what one round of the draft
 drafts is refused, not silently cut; check_decode_context: prompts + new tokens within the
 target's context window).
 
-`--init-from DIR` evaluates a draft saved in any format train/formats/init_from.py reads (a
+`--init-from DIR` evaluates a draft saved in any format train/run/init_from.py reads (a
 checkpoint, or an hf / medusa / vllm-medusa / speculators / eagle export: docs/export.md,
 Import) without a run directory: no CKPT, and the overrides are those of conf/train.yaml
 composed by Hydra as for training (`+experiment=NAME`, `target=...`, `decode.k=...`), which
@@ -49,7 +49,7 @@ eval prompts (an input, not a setting of the run: data.* describes how the eval 
 built). Each line is one JSON object with a "prompt" string, rendered as one user turn with the
 run's chat template (data.chat_template) and the generation prompt, as the eval prompts are.
 Without it the run's own eval prompts are decoded: those the run stored beside its config
-(<run_dir>/eval_prompts.json, train/run_files.py), or, for a run from before runs stored them,
+(<run_dir>/eval_prompts.json, train/run/files.py), or, for a run from before runs stored them,
 for a checkpoint outside its run directory, or with data.* overrides that choose other prompts,
 rebuilt by train.data.prepare.prepare_data from the data config (it reads the run's
 regeneration cache; a missing cache means the training prompts are answered again first).
@@ -75,15 +75,15 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from models.target import Target
-from train.checkpoint import PREFIX, latest_checkpoint, load_draft
+from train.core.checkpoint import PREFIX, latest_checkpoint, load_draft
 from train.data.prepare import prepare_data
 from train.data.prompt_file import load_prompt_file, spread
-from train.evaluate import evaluate_checkpoint, format_eval_table
+from train.eval.evaluate import evaluate_checkpoint, format_eval_table
 from train.formats.export import checkpoint_config, load_target
-from train.formats.init_from import detect_format, init_draft_from
-from train.identity import evaluate_differences, refusal
-from train.run_files import read_eval_prompts, route_third_party_output
-from train.settings import check_decode, check_decode_context, check_draft_decode
+from train.run.files import read_eval_prompts, route_third_party_output
+from train.run.identity import evaluate_differences, refusal
+from train.run.init_from import detect_format, init_draft_from
+from train.run.settings import check_decode, check_decode_context, check_draft_decode
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -110,7 +110,7 @@ def find_checkpoint(path: Path) -> Path:
     if missing:
         raise FileNotFoundError(
             f"{path} is not a draftlab checkpoint (no {', '.join(missing)}); give a "
-            f"<run_dir>/checkpoints/{PREFIX}N directory written by train/checkpoint.py"
+            f"<run_dir>/checkpoints/{PREFIX}N directory written by train/core/checkpoint.py"
         )
     return path
 
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         progress(f"checkpoint {ckpt}")
     else:
         parser.error("give CKPT [KEY=VALUE ...], or --init-from DIR [KEY=VALUE ...]")
-    # The same start-up checks as training (train/settings.py), the draft's own limits (a
+    # The same start-up checks as training (train/run/settings.py), the draft's own limits (a
     # block-8 DFlash drafts at most 7 per round) included.
     check_decode(cfg.decode)
     check_draft_decode(cfg)
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         draft = load_draft(ckpt, target).eval()
     dec = cfg.decode
-    num = len(spread(eval_prompts, dec.get("num_prompts")))  # those train/eval_plan.py decodes
+    num = len(spread(eval_prompts, dec.get("num_prompts")))  # those train/eval/plan.py decodes
     tree = dec.get("tree")
     shape = f"{tree.kind} tree" if tree is not None else f"chain k={dec.k}"
     progress(

@@ -33,7 +33,7 @@ from train.formats.export import (
     load_run_draft,
 )
 from train.formats.kinds import FORMATS, check_kind_format, checkpoint_export_kind, formats_by_kind
-from train.identity import read_identity
+from train.run.identity import read_identity
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -15,7 +15,7 @@ times each, the evaluation and records) a random moment after it shows (a writer
 temporary name, a file appended to, the console), and the phase the kill landed in is
 recorded; a phase a launch passes by unkilled (data already cached, a write too short to
 catch) is given up. After every kill the disk is read as a reader would: every `step_*`
-checkpoint intact (train.checkpoint.checkpoint_damage), every Arrow shard under its final
+checkpoint intact (train.core.checkpoint.checkpoint_damage), every Arrow shard under its final
 name readable, config.yaml and summary.json parseable. A run survives when it ends with the
 reference's weights (every tensor equal), its train losses at every step, its final τ and
 last checkpoint. Then one export per run (scripts/export.py) is killed at a random moment:
@@ -46,7 +46,7 @@ import datasets
 import torch
 from omegaconf import OmegaConf
 
-from train.checkpoint import checkpoint_damage, list_checkpoints, load_checkpoint
+from train.core.checkpoint import checkpoint_damage, list_checkpoints, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

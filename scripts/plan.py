@@ -7,7 +7,7 @@
 Takes train.py's overrides. Per rank: the target's weights, the draft's parameters, their
 gradients and optimizer state, the activations of one step at train.batch_size x
 data.max_len (with and without gradient checkpointing), the evaluation's copies, and the
-feature cache's size on disk (train/memory_plan.py says how each is counted). With --gpus
+feature cache's size on disk (train/run/memory_plan.py says how each is counted). With --gpus
 the plan is for that many CUDA ranks (target.dtype=auto counts bfloat16, as a run on CUDA
 takes); --gpu-mem GiB per GPU is then checked as train.py checks the device's memory at
 start, and a plan that does not fit is refused (exit 1) with the settings that would fit.
@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from models.target_loaders import target_config
-from train.memory_plan import (
+from train.run.memory_plan import (
     GIB,
     check_fits,
     device_memory,

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from train.compose import compose_target_data
 from train.data.prepare import prepare_data
 from train.data.sources import check_source
 from train.formats.export import load_target
-from train.settings import check_regen_backend
+from train.run.compose import compose_target_data
+from train.run.settings import check_regen_backend
 
 
 def main(argv: list[str] | None = None) -> None:

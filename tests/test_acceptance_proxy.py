@@ -1,4 +1,4 @@
-"""The acceptance statistics (train/acceptance.py) as the decoder sees them: alpha at the
+"""The acceptance statistics (train/losses/acceptance.py) as the decoder sees them: alpha at the
 decode's temperature / top-k / top-p, a reduced draft vocabulary against the target's
 un-renormalised full-vocabulary p, top-1 agreement and the simulated tau."""
 
@@ -7,7 +7,12 @@ import torch
 
 from decoding.drafter import Sampling
 from decoding.verify import sampling_probs
-from train.acceptance import acceptance_proxy, sampling_cutoffs, simulated_tau, top1_agreement
+from train.losses.acceptance import (
+    acceptance_proxy,
+    sampling_cutoffs,
+    simulated_tau,
+    top1_agreement,
+)
 
 
 def test_top1_and_simulated_tau():

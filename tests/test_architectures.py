@@ -174,7 +174,7 @@ def data_dir(tmp_path_factory) -> Path:
 def test_pipeline_on_other_architectures(tmp_path, data_dir, arch, kind):
     from hydra.utils import instantiate
 
-    from train.checkpoint import load_draft
+    from train.core.checkpoint import load_draft
     from train.data.chat import resolve_chat_template
     from train.loop import run
 

@@ -21,12 +21,12 @@ import train.loop
 from decoding.spec import generate
 from models.versions import check_versions
 from tests.helpers import ROOT, compose_debug, openai_row, sharegpt_row, write_rows
-from train.checkpoint import checkpoint_damage, list_checkpoints, save_checkpoint
+from train.core.checkpoint import checkpoint_damage, list_checkpoints, save_checkpoint
 from train.data import answer_batch
 from train.data.prepare import prepare_data
 from train.data.regenerate import regenerate
-from train.run_files import write_atomic
-from train.settings import check_settings
+from train.disk import write_atomic
+from train.run.settings import check_settings
 
 
 def load_script(name: str):

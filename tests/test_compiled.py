@@ -37,8 +37,8 @@ from tests.helpers import (
     prompt_ids,
     untied_target,
 )
-from train.evaluate import evaluate_checkpoint, format_eval_table
-from train.settings import check_decode
+from train.eval.evaluate import evaluate_checkpoint, format_eval_table
+from train.run.settings import check_decode
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +217,7 @@ def test_drafters_compiled_equal_eager(target, kind):
     [("eagle_tree", False), ("perfect", True), ("mtp", False), ("medusa_tree", False)],
 )
 def test_the_warmups_compile_every_shape_decoding_uses(target, kind, adaptive):
-    """Built as evaluation builds them (train/eval_plan.py: compiled_decoding), the compiled
+    """Built as evaluation builds them (train/eval/plan.py: compiled_decoding), the compiled
     target and drafter compile every shape before the first decode, none inside it: the
     EAGLE-2 tree levels (top_k wide), adaptive k's widths and a left-padded batch (its
     per-row masks and positions) included. With CUDA graphs, each of those shapes would

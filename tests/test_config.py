@@ -10,10 +10,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-import train.resolvers  # noqa: F401  (registers ${safe_dirname:}, as train.py does)
-from train.losses import LOSSES, loss_options
-from train.resolvers import MAX_DIRNAME
-from train.settings import check_settings
+import train.run.resolvers  # noqa: F401  (registers ${safe_dirname:}, as train.py does)
+from train.losses.divergences import LOSSES, loss_options
+from train.run.resolvers import MAX_DIRNAME
+from train.run.settings import check_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -132,7 +132,7 @@ def test_run_dir_is_flat_when_override_values_hold_slashes(overrides, flat):
     want = ("runs", "draft_lm_kl", flat, "seed0")
     assert Path(cfg.run_dir).parts == want
     # Hydra creates no directory at launch (a refused start leaves none): the run creates
-    # run_dir and writes .hydra/ there once its checks pass (train/run_files.py).
+    # run_dir and writes .hydra/ there once its checks pass (train/run/files.py).
     assert (cfg.hydra.run.dir, cfg.hydra.sweep.subdir, cfg.hydra.output_subdir) == (".", ".", None)
 
 

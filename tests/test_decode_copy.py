@@ -12,10 +12,10 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from models.target import Target
+from models.dtypes import draft_decode_copy
+from models.target import Target, decode_copy
 from models.target_loaders import build_tiny_random
-from train.eval_plan import decode_copy, draft_decode_copy
-from train.evaluate import evaluate_checkpoint
+from train.eval.evaluate import evaluate_checkpoint
 
 BF16 = torch.bfloat16
 
@@ -104,7 +104,7 @@ def test_draft_lm_decode_copy_is_the_draft_loaded_in_bf16(fp32_target, tmp_path)
 def test_replay_and_medusa2_copies_keep_rotary_float32(fp32_target):
     from models.draft_lm import from_target as draft_lm
     from models.medusa import from_target as medusa
-    from train.replay import Replay
+    from train.core.replay import Replay
 
     replay = Replay(
         [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}],
@@ -166,7 +166,7 @@ def _drafts(target):
 def test_a_draft_in_another_dtype_than_the_target_decodes_losslessly(
     fp32_target, kind, draft_dtype
 ):
-    """decode.draft_dtype is chosen apart from decode.dtype (train/eval_plan.py:
+    """decode.draft_dtype is chosen apart from decode.dtype (train/eval/plan.py:
     draft_dtype_choice): every kind's drafter runs beside a target in the other dtype, and
     greedy decoding still gives the target's own greedy text."""
     draft = _drafts(fp32_target)[kind]

@@ -24,9 +24,9 @@ from decoding.tree import TreeSpec
 from models import dflash, domino, draft_lm, eagle, medusa, mtp
 from tests.fake_device import DEVICE, OnDevice, fake_device
 from tests.helpers import TINY_CPU_RUN, V, compose_train, left_pad, untied_target
-from train import run_setup
-from train.settings import gpu_index
-from train.step import StepSetup, StepStats, aux_loss, offset_losses
+from train.core.step import StepSetup, StepStats, aux_loss, offset_losses
+from train.run import setup as run_setup
+from train.run.settings import gpu_index
 
 torch.set_num_threads(1)  # tiny models crawl with more threads than free cores (design.md §6)
 
@@ -77,7 +77,7 @@ def batch() -> dict:
 
 
 def train_grads(kind: str, device: torch.device, strict) -> dict:
-    """One training step's forward and backward as train/step.py's train_step runs them
+    """One training step's forward and backward as train/core/step.py's train_step runs them
     (its autocast aside) -> the gradient of every trained parameter, on the CPU."""
     target, draft = build(kind, device)
     b = {key: x.to(device) for key, x in batch().items()}

@@ -22,7 +22,7 @@ from models.protocol import DraftOutput
 from models.target import TargetOutput
 from models.target_loaders import build_tiny_random
 from tests.test_spec import make_target, prompt_ids
-from train.step import StepSetup, StepStats, offset_losses
+from train.core.step import StepSetup, StepStats, offset_losses
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def loop_cfg(**train):
 
 
 def step_loss(out, target_logits, ids, loss_mask=None, cfg=None):
-    """The training step's objective and stats (train/step.py), as the loop calls it."""
+    """The training step's objective and stats (train/core/step.py), as the loop calls it."""
     cfg = cfg or loop_cfg()
     loss_mask = torch.ones_like(ids) if loss_mask is None else loss_mask
     batch = {"input_ids": ids, "loss_mask": loss_mask}
@@ -217,7 +217,7 @@ def test_anchors_sit_on_answer_tokens_when_given_the_loss_mask(target):
 # -- block position i is trained at offset i --------------------------------------------------
 @pytest.mark.parametrize("kind,vocab", VARIANTS)
 def test_block_position_i_learns_the_token_at_offset_i_and_decodes_it(target, kind, vocab):
-    """Trained through the training step's own pairing (train/step_stats.py) on the target's
+    """Trained through the training step's own pairing (train/core/step_stats.py) on the target's
     greedy continuation of one prompt, block position i at anchor t must give the target's
     argmax at position t + i (= x_{t+1+i}); an off-by-one anywhere (offsets, anchor, the
     context it reads) teaches the neighbour token instead. Then the drafter decodes the same

@@ -16,7 +16,7 @@ from speculators import SpeculatorModel, SpeculatorModelConfig
 from models import dflash, vocab
 from models.target_loaders import build_tiny_random
 from tests.helpers import export_script
-from train.checkpoint import save_checkpoint
+from train.core.checkpoint import save_checkpoint
 
 torch.set_num_threads(1)
 TOL = 1e-4

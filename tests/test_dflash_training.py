@@ -15,9 +15,9 @@ from models.protocol import DraftOutput
 from models.target_loaders import build_tiny_random
 from tests.test_dflash import KINDS, ROOT, build, step_loss
 from tests.test_spec import make_target
+from train.core.replay import gather_stream
 from train.formats.checks import ExportError
 from train.formats.export import refuse
-from train.replay import gather_stream
 
 torch.set_num_threads(1)
 
@@ -86,7 +86,7 @@ def test_loop_trains_domino_with_its_curriculum(tmp_path, monkeypatch, vocab):
     """Two steps of the real loop on the tiny target (debug experiment): the draft is told
     its progress before each step, the records are finite, the checkpoint reloads (a
     reduced vocabulary built from the data's counts, and reloaded with the checkpoint)."""
-    from train.checkpoint import load_draft
+    from train.core.checkpoint import load_draft
     from train.loop import run
 
     seen, masks = [], []
@@ -160,7 +160,7 @@ def test_loop_trains_domino_with_its_curriculum(tmp_path, monkeypatch, vocab):
     ],
 )
 def test_startup_checks_refuse_what_a_block_cannot_draft(overrides, message):
-    from train.settings import check_settings
+    from train.run.settings import check_settings
 
     # run_dir given: its default reads ${hydra:job.override_dirname}, which only a Hydra
     # launch (or a test that sets HydraConfig) resolves; this test must pass on its own

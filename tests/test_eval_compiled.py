@@ -1,5 +1,5 @@
-"""The compiled path as evaluation's decode (train/eval_plan.py, train/eval_compile.py,
-train/evaluate.py): `decode.compile=only` decodes the eager AR, the compiled AR and the compiled
+"""The compiled path as evaluation's decode (train/eval/plan.py, train/eval/compiled.py,
+train/eval/evaluate.py): `decode.compile=only` decodes the eager AR, the compiled AR and the compiled
 speculative decode at every sampling, and nothing else;
 `decode.compile=auto` takes the faster of the eager and compiled verify forward on this
 machine where compiling pays, from what `only` recorded per machine. Tiny random target,
@@ -16,15 +16,15 @@ import torch
 import decoding.metrics
 import models.dtype_choice
 import models.few_rows
-import train.eval_compile
-import train.eval_plan
+import train.eval.compiled
+import train.eval.plan
 from decoding.compiled import CompiledTarget
 from decoding.inductor import counts_recordings
 from models import draft_lm
 from models.target import Target
 from tests.helpers import untied_target
 from tests.test_compiled import eval_cfg, prompts
-from train.evaluate import evaluate_checkpoint
+from train.eval.evaluate import evaluate_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def fake_forward_seconds(monkeypatch, eager_s: float, compiled_s: float) -> list
         asked.append(path)
         return compiled_s if path == "compiled" else eager_s
 
-    monkeypatch.setattr(train.eval_compile, "forward_seconds", fake)
+    monkeypatch.setattr(train.eval.compiled, "forward_seconds", fake)
     return asked
 
 
@@ -180,20 +180,20 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
         asked.append((dtype, width, layers))
         return compiled[dtype]
 
-    monkeypatch.setattr(train.eval_plan, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
+    monkeypatch.setattr(train.eval.plan, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
     monkeypatch.setattr(models.few_rows, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
-    monkeypatch.setattr(train.eval_plan, "compiled_forward_seconds", fake_compiled)
+    monkeypatch.setattr(train.eval.plan, "compiled_forward_seconds", fake_compiled)
     dec = eval_cfg(compile=path, dtype="auto").decode
-    copies = train.eval_plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
+    copies = train.eval.plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
     assert copies.dtypes["decode"]["dtype"] == want
     assert copies.dtypes["ar"]["dtype"] == "bfloat16"
-    width, layers = int(dec.k) + 1, train.eval_plan.PROXY_LAYERS
+    width, layers = int(dec.k) + 1, train.eval.plan.PROXY_LAYERS
     assert asked == (
         [] if path != "only" else [(torch.float32, width, layers), (torch.bfloat16, width, layers)]
     )
     if path == "only":  # auto on this machine now reads the compiled verdict, timing nothing
         auto = eval_cfg(compile="auto", dtype="auto").decode
-        again = train.eval_plan.decode_copies(target, auto, None, eval_prompts(), str(tmp_path))
+        again = train.eval.plan.decode_copies(target, auto, None, eval_prompts(), str(tmp_path))
         assert (again.dtypes["decode"]["dtype"], again.dtypes["decode"]["source"]) == (
             "float32", "cached")  # fmt: skip
         assert len(asked) == 2
@@ -212,7 +212,7 @@ def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(targe
         return 0.5
 
     monkeypatch.setattr(decoding.timing, "forward_seconds", fake_forward_seconds)
-    seconds = train.eval_plan.compiled_forward_seconds(target, torch.bfloat16, 4, 8, "aot_eager", 1)
+    seconds = train.eval.plan.compiled_forward_seconds(target, torch.bfloat16, 4, 8, "aot_eager", 1)
     assert timed == [(1, torch.bfloat16, 4, 8)]
     assert seconds == 0.5 * target.num_layers
     after = target.model.state_dict()
@@ -277,7 +277,7 @@ def test_eager_path_decodes_an_ar_at_every_sampling(target, monkeypatch):
     """The eager evaluation the same, its AR at each sampling; without a compiled AR there is
     no speedup against the fastest AR (the key is absent; the table says so) and the eager
     ratio has its own name."""
-    from train.evaluate import format_eval_table
+    from train.eval.evaluate import format_eval_table
 
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")

@@ -162,7 +162,7 @@ def test_bad_input_says_what_is_wrong(run_dir, tmp_path):
         ev.main([str(ckpt), "--prompts", str(tmp_path / "missing.jsonl")])
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "def add(a, b):"}\n')
-    # The tree applied, and refused before the target loads (train.settings.check_draft_decode).
+    # The tree applied, and refused before the target loads (train.run.settings.check_draft_decode).
     with pytest.raises(ValueError, match=r"draft=draft_lm cannot draft .*trees \(DraftLMDrafter\)"):
         ev.main([str(ckpt), "decode=tree_static", "--prompts", str(good)])
     bad = tmp_path / "bad.jsonl"

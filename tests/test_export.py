@@ -18,7 +18,7 @@ from models import draft_lm, eagle, medusa, mtp
 from models.draft_lm import DraftLM
 from models.target_loaders import build_tiny_random
 from tests.helpers import export_script
-from train.checkpoint import save_checkpoint
+from train.core.checkpoint import save_checkpoint
 from train.formats.export import ExportError, export
 
 
@@ -248,8 +248,8 @@ def test_an_export_names_its_target_and_refuses_another(target, tmp_path):
     """The checkpoint's identity record goes with the export (IDENTITY_FILE); a target whose
     weights are not the trained-against ones is refused by the export and by an import."""
     from train.formats.export import IDENTITY_FILE
-    from train.formats.init_from import InitError, init_draft_from
-    from train.identity import target_identity
+    from train.run.identity import target_identity
+    from train.run.init_from import InitError, init_draft_from
 
     script = export_script()
     run, target_cfg, heads, draft_cfg = _medusa_run(target, tmp_path)

@@ -17,11 +17,11 @@ from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from models import eagle
 from models.target_loaders import SMOLLM2_HUB_ID, SMOLLM2_NAME, build_tiny_random
-from train.checkpoint import save_checkpoint
+from train.core.checkpoint import save_checkpoint
 from train.formats.eagle import hub_id, target_names
 from train.formats.eagle_read import read_eagle_export
 from train.formats.export import ExportError, export, load_run_draft
-from train.formats.init_from import init_draft_from
+from train.run.init_from import init_draft_from
 
 torch.set_num_threads(1)
 

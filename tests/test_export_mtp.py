@@ -31,7 +31,7 @@ from decoding.drafters import DRAFTERS
 from models import mtp
 from models.target_loaders import build_tiny_random
 from tests.helpers import compose_train, export_script
-from train.checkpoint import save_checkpoint
+from train.core.checkpoint import save_checkpoint
 from train.formats.checks import ExportError
 from train.formats.export import export
 from train.formats.kinds import (

@@ -1,4 +1,4 @@
-"""The offline feature cache (train/feature_cache.py) on the tiny random target: the loss and
+"""The offline feature cache (train/core/feature_cache.py) on the tiny random target: the loss and
 gradients it gives equal the online target's bit for bit, a run with it equals a run without,
 its key follows target, data and taps, and a partial or damaged cache is rebuilt, not read."""
 
@@ -9,13 +9,13 @@ import hydra.utils
 import pytest
 import torch
 
-import train.feature_cache as fc
+import train.core.feature_cache as fc
 from models.target import Target
 from models.target_loaders import build_tiny_random
 from tests.helpers import TINY_CPU_RUN, compose_train, metrics_records
-from train.checkpoint import load_checkpoint
+from train.core.checkpoint import load_checkpoint
+from train.core.step import StepSetup, StepStats, aux_loss, offset_losses
 from train.data.prepare import collate
-from train.step import StepSetup, StepStats, aux_loss, offset_losses
 
 
 def _cfg(*overrides: str):
@@ -235,11 +235,11 @@ def test_rows_must_match_the_cache(tmp_path):
 
 
 def test_feature_noise_perturbs_the_taps_within_their_rms_and_never_the_labels():
-    """train.feature_noise (train/step.py: noisy_features): each tap plus uniform noise of at
+    """train.feature_noise (train/core/step.py: noisy_features): each tap plus uniform noise of at
     most scale x its per-position RMS, spread over that whole range, drawn from the global
     generator (a resumed run draws the same); the logits are the same tensor; 0 is a no-op."""
     from models.target import TargetOutput
-    from train.step import noisy_features
+    from train.core.step import noisy_features
 
     g = torch.Generator().manual_seed(0)
     hidden = {2: 3.0 * torch.randn(2, 5, 64, generator=g), -1: torch.randn(2, 5, 64, generator=g)}

@@ -1,5 +1,5 @@
 """models/few_rows.py: linear layers whose few-row products run as W @ x^T, chosen per
-machine by timing (train/eval_plan.py), for decoding alone."""
+machine by timing (train/eval/plan.py), for decoding alone."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 import models.few_rows
-import train.eval_plan
+import train.eval.plan
 from models import draft_lm
 from models.few_rows import MAX_ROWS, FewRowsLinear, choose_layouts, few_rows_products
 from tests.helpers import untied_target
 from tests.test_eval_compiled import auto_cfg, eval_prompts
-from train.evaluate import evaluate_checkpoint
+from train.eval.evaluate import evaluate_checkpoint
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -95,7 +95,7 @@ def test_an_eager_evaluation_decodes_in_the_layout_recorded_then_gives_the_targe
     monkeypatch.setattr(models.few_rows, "time_forward", lambda t, *a: 0.1 if isinstance(
         t.model.lm_head, FewRowsLinear) else 0.2)  # fmt: skip
     monkeypatch.setattr(
-        train.eval_plan, "time_forward", lambda t, dtype, *a: 0.1 if dtype == torch.float32 else 0.2
+        train.eval.plan, "time_forward", lambda t, dtype, *a: 0.1 if dtype == torch.float32 else 0.2
     )  # the AR in float32 too: greedy match checked
     seen = []
     real_forward = FewRowsLinear.forward
@@ -116,7 +116,7 @@ def test_an_explicit_layout_is_decoded_without_timing_and_a_wrong_one_refused(
     monkeypatch, tmp_path
 ):
     target = untied_target(device="cpu")
-    monkeypatch.setattr(train.eval_plan, "choose_layouts", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(train.eval.plan, "choose_layouts", lambda *a: pytest.fail("timed"))
     draft = draft_lm.from_target(target, num_layers=1, init="random")
     cfg = auto_cfg(tmp_path, False)
     cfg.decode.linear_layout = "transposed"
@@ -144,14 +144,14 @@ def test_an_eager_dtype_is_judged_at_its_faster_layout(monkeypatch, tmp_path):
             return 0.0
         return step[dtype, isinstance(t.model.lm_head, FewRowsLinear)]
 
-    monkeypatch.setattr(train.eval_plan, "time_forward", fake)
+    monkeypatch.setattr(train.eval.plan, "time_forward", fake)
     monkeypatch.setattr(models.few_rows, "time_forward", fake)
     dec = auto_cfg(tmp_path, False).decode
     dec.dtype, dec.linear_layout = "auto", "auto"
-    copies = train.eval_plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
+    copies = train.eval.plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
     assert copies.dtypes["decode"]["dtype"] == "float32"
     assert copies.dtypes["decode"]["seconds"]["float32"] == pytest.approx(0.15)
     assert not any(isinstance(m, FewRowsLinear) for m in target.model.modules())
     dec.linear_layout = "plain"
-    plain = train.eval_plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
+    plain = train.eval.plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
     assert plain.dtypes["decode"]["dtype"] == "bfloat16"

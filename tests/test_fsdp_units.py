@@ -1,4 +1,4 @@
-"""FSDP2's pieces in train/strategy.py, in two gloo processes (torchrun): the trainable
+"""FSDP2's pieces in train/parallel/strategy.py, in two gloo processes (torchrun): the trainable
 weights are broadcast from rank 0 before sharding (each rank here draws its own), the
 evaluation skeleton holds no storage until the weights are streamed in and none after, a
 weight shared with the target stays the target's tensor, and the mixed-precision policy
@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys, torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.tensor import DTensor
-    from train.strategy import Strategy, eval_draft, shard
+    from train.parallel.strategy import Strategy, eval_draft, shard
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -13,7 +13,12 @@ import sys
 import torch
 
 from tests.helpers import ROOT, write_rows
-from train.checkpoint import checkpoint_damage, list_checkpoints, load_checkpoint, resume_checkpoint
+from train.core.checkpoint import (
+    checkpoint_damage,
+    list_checkpoints,
+    load_checkpoint,
+    resume_checkpoint,
+)
 from train.data.local_source import write_conversations
 
 LIMIT = 1 << 15  # bytes a file may reach in the child
@@ -26,7 +31,7 @@ signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, not a ki
 what, root = sys.argv[1], Path(sys.argv[2])
 root.mkdir(parents=True, exist_ok=True)
 if what == "checkpoint":
-    from train.checkpoint import save_checkpoint
+    from train.core.checkpoint import save_checkpoint
     save_checkpoint(root, 1, {"w": torch.arange(4.0)}, "kind: x\n", {"step": 1}, keep_last=1)
 limit = int(sys.argv[3])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

@@ -1,4 +1,4 @@
-"""The held-out acceptance proxy (train/heldout.py): its numbers against a hand computation
+"""The held-out acceptance proxy (train/eval/heldout.py): its numbers against a hand computation
 on the target's full logits, and in a run, a record at every checkpoint that leaves the
 training itself untouched."""
 
@@ -8,13 +8,13 @@ import torch
 from decoding.drafter import Sampling
 from models.draft_lm import from_target
 from tests.helpers import chat_ids, compose_debug, metrics_records
-from train.acceptance import simulated_tau
-from train.heldout import PREFIX, HeldOut, heldout_rows
+from train.core.step import StepSetup
+from train.eval.heldout import PREFIX, HeldOut, heldout_rows
 from train.loop import run
-from train.losses import LossSpec
+from train.losses.acceptance import simulated_tau
+from train.losses.divergences import LossSpec
 from train.report.plots import plot_learning_curve
 from train.report.runs import Group, load_run
-from train.step import StepSetup
 
 
 def test_record_matches_a_hand_computation_and_leaves_the_draft_as_it_was(tiny, tmp_path):

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import models.target
-import train.feature_cache as fc
+import train.core.feature_cache as fc
 from models.target import Target
 from models.target_loaders import build_tiny_random
 from tests.helpers import ROOT, compose_debug
 from train.data.regenerate import legacy_key, regenerate
-from train.identity import hydra_value
+from train.run.identity import hydra_value
 
 
 def _reweighted(target: Target, scale: float = 1.01) -> Target:

@@ -1,4 +1,4 @@
-"""draft.init_from (train/formats/init_from.py): every format train/formats/ writes loads back
+"""draft.init_from (train/run/init_from.py): every format train/formats/ writes loads back
 into a fresh draft with identical logits; a training run warm-starts from the imported weights
 and a resumed run ignores init_from; scripts/evaluate.py --init-from evaluates an imported draft
 as its checkpoint; every refusal says what to change and leaves the draft as it was."""
@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from models import draft_lm, eagle, medusa, mtp
 from models.target_loaders import build_tiny_random
-from train.checkpoint import save_checkpoint, save_tensors
+from train.core.checkpoint import save_checkpoint, save_tensors
 from train.formats import init_from
 from train.formats.export import export, load_run_draft
-from train.formats.init_from import InitError, detect_format, init_draft_from
+from train.run.init_from import InitError, detect_format, init_draft_from
 
 ROOT = Path(__file__).resolve().parents[1]
 

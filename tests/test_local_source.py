@@ -27,7 +27,7 @@ from train.data.local_source import (
 )
 from train.data.prepare import prepare_data
 from train.data.row_selection import pick_rows
-from train.ranks import Ranks
+from train.parallel.ranks import Ranks
 
 
 def conversations(n: int) -> list[dict]:
@@ -156,7 +156,7 @@ import torch.distributed as dist
 import train.data.local_source as ls
 from models.target_loaders import build_tiny_random
 from train.data.prepare import prepare_data
-from train.ranks import Ranks
+from train.parallel.ranks import Ranks
 
 dist.init_process_group("gloo")
 ls.SHARD_ROWS = 8

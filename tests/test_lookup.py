@@ -34,7 +34,7 @@ from tests.helpers import (
     prompt_ids,
     untied_target,
 )
-from train.settings import check_decode
+from train.run.settings import check_decode
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ from decoding.spec import generate
 from models.draft_lm import from_target
 from models.protocol import DraftOutput
 from models.target_loaders import build_tiny_random
-from train.checkpoint import list_checkpoints, load_checkpoint, load_draft
+from train.core.checkpoint import list_checkpoints, load_checkpoint, load_draft
+from train.core.schedule import lr_lambda
+from train.core.step import StepSetup, StepStats, offset_losses
 from train.data.prepare import collate, prepare_data
 from train.loop import TrainingDiverged, run
-from train.losses import LOSSES, Loss
-from train.run_setup import preflight
-from train.schedule import lr_lambda
-from train.step import StepSetup, StepStats, offset_losses
+from train.losses.divergences import LOSSES, Loss
+from train.run.setup import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

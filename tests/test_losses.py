@@ -1,4 +1,4 @@
-"""The distillation losses (train/losses.py): divergences, cross-entropy and the TV family
+"""The distillation losses (train/losses/divergences.py): divergences, cross-entropy and the TV family
 (LK^lambda, LK^alpha, DSpark's CE + TV mix) by hand, chunked = unchunked, masks, gradients,
 loss options. The acceptance proxies: tests/test_acceptance_proxy.py; the per-step loss and
 statistics over draft offsets: tests/test_step_stats.py."""
@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from decoding.drafter import Sampling
-from train.acceptance import acceptance_proxy, sampling_cutoffs
-from train.losses import (
+from train.losses.acceptance import acceptance_proxy, sampling_cutoffs
+from train.losses.divergences import (
     LOSSES,
     ce_tv_mix,
     cross_entropy,
@@ -115,7 +115,7 @@ def test_finite_gradients_with_topk_masked_logits(name):
     assert torch.isfinite(loss)
     assert torch.isfinite(d_masked.grad).all()
     # Target-only masking: the draft keeps mass outside the target's support. Finite for
-    # CE, KL(p||q) and TV; KL(q||p) is genuinely infinite there (documented in train/losses.py).
+    # CE, KL(p||q) and TV; KL(q||p) is genuinely infinite there (documented in train/losses/divergences.py).
     x = d.clone().requires_grad_(True)
     loss = LOSSES[name](x, t_masked, torch.ones(6))
     if name == "rkl":
@@ -272,7 +272,7 @@ def test_lk_lambda_gradient_treats_lambda_as_a_constant(alpha_mode):
 @pytest.mark.parametrize("alpha_mode", ["position", "batch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lk_lambda_written_out_gradient_is_autograds_with_a_reduced_vocab(alpha_mode, dtype):
-    """lk_lambda's gradient is computed by hand (train/losses.py: _LKLambdaRows): equal to
+    """lk_lambda's gradient is computed by hand (train/losses/divergences.py: _LKLambdaRows): equal to
     autograd through the decoder's alpha (acceptance_proxy's maths, full-vocabulary p) and
     KL over the draft ids, lambda held constant, in float32 and bfloat16."""
     d, t, log_norm, _ = _reduced_vocab_case(n=9)

@@ -1,6 +1,6 @@
-"""The losses of train/loss_family.py (jsd, nla, dpace, mix) against independent references
+"""The losses of train/losses/family.py (jsd, nla, dpace, mix) against independent references
 (by hand and, where installed, vllm-project/speculators' own eager losses), and optim=muon
-(train/optimizers.py): the split, a step, a checkpoint round trip. Two-step runs of the real
+(train/core/optimizers.py): the split, a step, a checkpoint round trip. Two-step runs of the real
 loop on the tiny random target with each. The generic properties every registered loss has
 (chunked = unchunked, finite gradients under top-k masks): tests/test_losses.py."""
 
@@ -15,11 +15,18 @@ import torch.nn.functional as F
 from decoding.drafter import Sampling
 from models.protocol import DraftOutput
 from tests.helpers import compose_debug, metrics_records
-from train.loss_family import dpace_chain_weights, dpace_weights
-from train.losses import LOSSES, LossSpec, cross_entropy, forward_kl, lk_lambda, reverse_kl
-from train.optimizers import MuonWithAdamW, build_optimizer, split_for_muon
-from train.settings import check_settings
-from train.step import StepSetup, StepStats, offset_losses
+from train.core.optimizers import MuonWithAdamW, build_optimizer, split_for_muon
+from train.core.step import StepSetup, StepStats, offset_losses
+from train.losses.divergences import (
+    LOSSES,
+    LossSpec,
+    cross_entropy,
+    forward_kl,
+    lk_lambda,
+    reverse_kl,
+)
+from train.losses.family import dpace_chain_weights, dpace_weights
+from train.run.settings import check_settings
 
 
 def _logits(n: int = 9, v: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,7 +364,7 @@ def test_two_step_runs(tmp_path, overrides):
 def test_muon_run_resumes_exactly(tmp_path):
     """optim=muon through the loop's checkpoints: drop the newest, resume, and land on the
     same losses and weights (both optimizers' states were saved and restored)."""
-    from train.checkpoint import list_checkpoints, load_checkpoint
+    from train.core.checkpoint import list_checkpoints, load_checkpoint
     from train.loop import run
 
     torch.set_num_threads(1)

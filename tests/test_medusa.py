@@ -15,8 +15,8 @@ from models import medusa
 from models.protocol import DraftModel
 from models.target import Target
 from models.target_loaders import build_tiny_random
-from train.losses import forward_kl
-from train.step import adapted_lm_kl, aux_loss
+from train.core.step import adapted_lm_kl, aux_loss
+from train.losses.divergences import forward_kl
 
 
 def _ids(vocab: int, shape=(2, 12), seed=0) -> torch.Tensor:

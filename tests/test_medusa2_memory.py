@@ -13,16 +13,17 @@ import textwrap
 import torch
 
 from models import medusa
+from models.dtypes import draft_decode_copy
+from models.target import decode_copy
 from models.target_loaders import build_tiny_random
 from tests.helpers import ROOT
-from train.eval_plan import decode_copy, draft_decode_copy
 
 MEASURE = textwrap.dedent(
     """
     import json, resource, torch
     from models import medusa
     from models.target_loaders import build_tiny_random
-    from train.eval_plan import draft_decode_copy
+    from models.dtypes import draft_decode_copy
     from decoding.drafters import make_drafter
     from decoding.spec import generate
 

@@ -1,4 +1,4 @@
-"""The memory plan (train/memory_plan.py, scripts/plan.py): counts from the config alone, on
+"""The memory plan (train/run/memory_plan.py, scripts/plan.py): counts from the config alone, on
 the meta device, equal to the real modules'; a launch that cannot fit is refused."""
 
 import subprocess
@@ -12,11 +12,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import train.run_setup
+import train.run.setup
 from models.target_loaders import build_tiny_random, target_config
 from tests.helpers import compose_debug
 from train.loop import run
-from train.memory_plan import (
+from train.run.memory_plan import (
     activation_bytes,
     check_fits,
     parameter_counts,
@@ -128,8 +128,8 @@ def test_a_run_is_refused_before_the_target_loads(tmp_path, monkeypatch):
     def loaded(*args, **kwargs):
         raise AssertionError("the target was loaded although the plan does not fit")
 
-    monkeypatch.setattr(train.run_setup, "device_memory", lambda device, here: (1000, "test RAM"))  # fmt: skip
-    monkeypatch.setattr(train.run_setup, "instantiate", loaded)
+    monkeypatch.setattr(train.run.setup, "device_memory", lambda device, here: (1000, "test RAM"))  # fmt: skip
+    monkeypatch.setattr(train.run.setup, "instantiate", loaded)
     with pytest.raises(ValueError, match="memory plan: .* per rank but test RAM is 0.00 GiB"):
         run(compose_debug(tmp_path / "run", f"data.cache_dir={tmp_path}/c"))
     assert not (tmp_path / "run").exists()

@@ -98,7 +98,7 @@ def test_evaluate_perfect_and_wrong_drafts():
 
 
 def test_evaluate_without_entropy_passes_no_probe(monkeypatch):
-    """entropy=False (train/evaluate.py's compiled pass): generate never gets a probe,
+    """entropy=False (train/eval/evaluate.py's compiled pass): generate never gets a probe,
     entropy_alpha is None, and the acceptance numbers are those of the run with the probe."""
     target = untied_target()
     prompts = [prompt_ids(target, p)[0] for p in ("hello there", "a poem")]
@@ -181,7 +181,7 @@ def test_checkpoint_evaluation_reports_acceptance_vs_entropy_per_temperature():
     first rejection), JSON-able as the eval records are written."""
     from hydra import compose, initialize_config_dir
 
-    from train.evaluate import evaluate_checkpoint
+    from train.eval.evaluate import evaluate_checkpoint
 
     target = untied_target()
     overrides = ["decode.temperatures=[0.0,0.7,1.0]", "decode.max_new_tokens=16", "decode.k=3"]

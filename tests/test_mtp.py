@@ -11,7 +11,7 @@ from decoding.verify import sampling_probs
 from models.mtp import MTP, from_target
 from models.protocol import DraftModel
 from models.target_loaders import build_tiny_random
-from train.eval_plan import decode_copy, draft_decode_copy
+from train.eval.plan import decode_copy, draft_decode_copy
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,5 @@
 """decode.ood_prompts: prompts of kinds the training data has none of, decoded beside the eval
-prompts for tau alone (train/evaluate.py), from train/data/ood_prompts.jsonl or a file."""
+prompts for tau alone (train/eval/evaluate.py), from train/data/ood_prompts.jsonl or a file."""
 
 import json
 
@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from models import eagle
 from train.data.corpus import CATEGORIES
 from train.data.prompt_file import BUILTIN_OOD, load_prompt_file, ood_prompts
-from train.evaluate import evaluate_checkpoint, format_eval_table
+from train.eval.evaluate import evaluate_checkpoint, format_eval_table
 
 
 def test_the_builtin_set_is_of_kinds_the_embedded_pool_lacks(tiny):
@@ -90,16 +90,16 @@ def test_ood_tau_is_the_tau_of_the_same_decode_on_those_prompts(tmp_path, tiny, 
 def test_ood_num_prompts_takes_prompts_spread_over_the_file(tmp_path, tiny, monkeypatch):
     """decode.ood_num_prompts=2 of a file of 4 (two kinds in blocks, as the builtin's) decodes
     prompts 0 and 2, one of each kind, and reports their count."""
-    import train.evaluate
+    import train.eval.evaluate
 
     decoded = []
-    real = train.evaluate.decode_spec_only
+    real = train.eval.evaluate.decode_spec_only
 
     def recording(target, drafter, prompts, mine, **kw):
         decoded.extend(p[0].tolist() for p in prompts)
         return real(target, drafter, prompts, mine, **kw)
 
-    monkeypatch.setattr(train.evaluate, "decode_spec_only", recording)
+    monkeypatch.setattr(train.eval.evaluate, "decode_spec_only", recording)
     draft = eagle.from_target(tiny, None, vocab_size="full", ttt_steps=2)
     texts = ["sum 2+2", "sum 3+5", "a b c d", "e f g"]
     path = tmp_path / "ood.jsonl"
@@ -117,17 +117,17 @@ def test_num_prompts_takes_eval_prompts_spread_over_their_categories(tiny, monke
     """decode.num_prompts=3 of 6 eval prompts in category blocks (as train/data/corpus.py
     gives them: code, then prose, then qa) decodes prompts 0, 2 and 4, one of each category,
     and the context check before training looks at those same prompts."""
-    import train.evaluate
-    from train.settings import check_decode_context
+    import train.eval.evaluate
+    from train.run.settings import check_decode_context
 
     decoded = []
-    real = train.evaluate.decode_prompts
+    real = train.eval.evaluate.decode_prompts
 
     def recording(passes, prompts, mine, **kw):
         decoded.extend(prompts[i][0].tolist() for i in mine)
         return real(passes, prompts, mine, **kw)
 
-    monkeypatch.setattr(train.evaluate, "decode_prompts", recording)
+    monkeypatch.setattr(train.eval.evaluate, "decode_prompts", recording)
     draft = eagle.from_target(tiny, None, vocab_size="full", ttt_steps=2)
     eval_prompts = [{"input_ids": list(range(3 + i, 8 + i))} for i in range(6)]
     cfg = _cfg(None, (0.0,))

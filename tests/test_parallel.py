@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, TIMING, compose_debug, metrics_records
-from train.checkpoint import list_checkpoints, load_checkpoint
+from train.core.checkpoint import list_checkpoints, load_checkpoint
 
 spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
 ev = importlib.util.module_from_spec(spec)
@@ -78,7 +78,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def ran(run_dir: Path) -> dict:
-    """summary.json's record of the strategy that ran (train/strategy.py: strategy_ran)."""
+    """summary.json's record of the strategy that ran (train/parallel/strategy.py: strategy_ran)."""
     return json.loads((run_dir / "summary.json").read_text())["strategy"]
 
 

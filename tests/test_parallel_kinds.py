@@ -26,7 +26,7 @@ import torch
 
 from tests.helpers import ROOT, TINY_CPU_RUN, compose_train
 from tests.test_parallel import ENV, deterministic, ev, final_weights, ran, train_records
-from train.checkpoint import list_checkpoints
+from train.core.checkpoint import list_checkpoints
 
 RUN = [
     *TINY_CPU_RUN,

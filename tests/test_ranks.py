@@ -1,4 +1,4 @@
-"""Every rank does its share (train/ranks.py): a 2-rank run (torchrun, gloo, the tiny target)
+"""Every rank does its share (train/parallel/ranks.py): a 2-rank run (torchrun, gloo, the tiny target)
 regenerates, builds the feature cache and evaluates with both ranks, and each result equals
 what one process computes (exactly: the same batches, the same prompts, greedy).
 
@@ -16,14 +16,14 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import ROOT, chat_ids, compose_debug, metrics_records, untied_target
-from train import feature_cache as fc
-from train.checkpoint import load_draft
+from train.core import feature_cache as fc
+from train.core.checkpoint import load_draft
+from train.core.schedule import global_rows
 from train.data.prepare import prepare_data
 from train.data.regenerate import regenerate
-from train.evaluate import evaluate_checkpoint
-from train.ranks import DEFAULT_TIMEOUT_S
-from train.run_setup import instantiate, make_accelerator
-from train.schedule import global_rows
+from train.eval.evaluate import evaluate_checkpoint
+from train.parallel.ranks import DEFAULT_TIMEOUT_S
+from train.run.setup import instantiate, make_accelerator
 
 ROWS, REGEN_BATCH, BATCH = 8, 2, 2  # 4 regeneration batches, 4 feature-cache batches
 RUN = [
@@ -127,7 +127,7 @@ def test_process_group_timeout_is_a_setting():
 
 
 class ThreadRanks:
-    """Two threads standing in for two ranks (train/ranks.py's interface): a restart of one
+    """Two threads standing in for two ranks (train/parallel/ranks.py's interface): a restart of one
     rank's share is tested in seconds, without launching processes."""
 
     def __init__(self, rank: int, world: int, barrier: threading.Barrier, slots: list):

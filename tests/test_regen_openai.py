@@ -34,7 +34,7 @@ from train.data.regen_openai import (
     regenerate_openai,
 )
 from train.data.regenerate import _sha, settings_key
-from train.settings import check_settings
+from train.run.settings import check_settings
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -257,7 +257,7 @@ from pathlib import Path
 from models.target_loaders import load_smollm2
 from tests.test_regen_openai import openai_data
 from train.data.prepare import prepare_data
-from train.ranks import Ranks
+from train.parallel.ranks import Ranks
 
 dist.init_process_group("gloo")
 data = prepare_data(load_smollm2(dtype="float32", device="cpu"), source="{src}", num_eval=0,

@@ -20,7 +20,7 @@ from tests.test_ranks import ThreadRanks
 from train.data.prepare import prepare_data
 from train.data.regen_openai import regenerate_openai, request_seed
 from train.data.regenerate import _sha
-from train.run_records import RunRecords, write_summary
+from train.run.records import RunRecords, write_summary
 
 QUESTIONS = ["What is 2 + 2?", "Name three colours.", "Say hello.", "Why?", "Count to three."]
 TOO_LONG = "This model's maximum context length is 64 tokens. However, you requested 90 tokens."

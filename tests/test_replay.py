@@ -1,4 +1,4 @@
-"""On-policy replay (train/rollouts.py, train/replay.py) on the tiny random target: recorded
+"""On-policy replay (train/core/rollouts.py, train/core/replay.py) on the tiny random target: recorded
 positions against the decoder and teacher-forced argmaxes, per-stream losses, offset
 alignment of head drafts, the buffer, and `replay.enabled=true` end to end for every draft
 kind."""
@@ -27,9 +27,9 @@ from tests.helpers import (
     noisy_copy,
     untied_target,
 )
-from train.losses import LossSpec
-from train.replay import Replay, make_batch, replay_loss
-from train.rollouts import ReplayBuffer, Rollout, prompt_prefix, record_rounds, rollout
+from train.core.replay import Replay, make_batch, replay_loss
+from train.core.rollouts import ReplayBuffer, Rollout, prompt_prefix, record_rounds, rollout
+from train.losses.divergences import LossSpec
 
 GREEDY = Sampling()
 
@@ -146,7 +146,7 @@ def test_head_offsets_gather_the_proposing_logits():
     target_logits = torch.zeros(B, T, 6)
     target_logits[..., 2] = torch.arange(T).float()  # read through vocab_ids [2, 0, 1, 5]
     out = DraftOutput(logits=logits, offsets=offsets, vocab_ids=torch.tensor([2, 0, 1, 5]))
-    from train.replay import gather_stream
+    from train.core.replay import gather_stream
 
     seen = []
     for stream in ("acc", "rej"):
@@ -241,7 +241,7 @@ def _compose(run_dir: Path, *overrides: str):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_replay_runs_end_to_end_for_every_draft_kind(tmp_path, kind):
-    from train.checkpoint import load_checkpoint
+    from train.core.checkpoint import load_checkpoint
     from train.loop import run
 
     run(_compose(tmp_path, f"draft={kind}", *KINDS[kind]))
@@ -257,7 +257,7 @@ def test_replay_runs_end_to_end_for_every_draft_kind(tmp_path, kind):
 
 
 def test_replay_resume_repeats_the_uninterrupted_run(tmp_path):
-    from train.checkpoint import load_checkpoint
+    from train.core.checkpoint import load_checkpoint
     from train.loop import run
 
     extra = ["replay.every=3", "train.ckpt_every=2", "draft.model.num_layers=1"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, compose_debug, metrics_records
-from train.checkpoint import (
+from train.core.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,

@@ -1,4 +1,4 @@
-"""A checkpoint's settings are compared wherever its weights are used again (train/identity.py):
+"""A checkpoint's settings are compared wherever its weights are used again (train/run/identity.py):
 resume=true and draft.init_from refuse every difference in one message with the overrides
 that match; a resumed run continues the data from the rows consumed and the LR schedule it
 started with, and each segment keeps its own config."""
@@ -14,10 +14,10 @@ import torch
 import train.loop
 from models.target_loaders import build_tiny_random
 from tests.helpers import TINY_CPU_RUN, compose_debug, compose_train, metrics_records
-from train.checkpoint import list_checkpoints, load_checkpoint
+from train.core.checkpoint import list_checkpoints, load_checkpoint
+from train.core.schedule import _epoch_order
 from train.formats.export import checkpoint_config
 from train.loop import run
-from train.schedule import _epoch_order
 
 # An EAGLE-3 head on a 4-layer tiny target: default taps (2, 2, 1)
 EAGLE = (*TINY_CPU_RUN, "draft=eagle", "target.num_layers=4", "draft.model.ttt_steps=2",

@@ -204,7 +204,7 @@ def test_training_reads_h_L_and_a_fresh_exit_is_the_plain_early_exit(close):
 
 
 def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
-    from train.checkpoint import list_checkpoints, load_checkpoint
+    from train.core.checkpoint import list_checkpoints, load_checkpoint
     from train.loop import run
 
     torch.set_num_threads(1)

@@ -26,7 +26,7 @@ from decoding.drafters import make_drafter
 from models import eagle
 from models.target_loaders import build_tiny_random, convert_smollm2, load_smollm2
 from tests.helpers import export_script
-from train.checkpoint import save_checkpoint
+from train.core.checkpoint import save_checkpoint
 from train.formats.export import export
 
 torch.set_num_threads(1)
@@ -133,7 +133,7 @@ def test_speculators_library_gives_our_logits(
     for flag in EAGLE31:  # EAGLE-3.1's options as written
         assert config[flag] is bool((norms or {}).get(flag)), flag
     if norms:  # and read back into a draft built with them: the same weights
-        from train.formats.init_from import InitError, init_draft_from
+        from train.run.init_from import InitError, init_draft_from
 
         counts = torch.ones(target.vocab_size)
         back = eagle.from_target(target, counts, layers=layers, ttt_steps=3, vocab_size=vocab_size,

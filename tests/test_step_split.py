@@ -1,4 +1,4 @@
-"""One optimizer step (train/step.py: train_step) gives the same loss, statistics and
+"""One optimizer step (train/core/step.py: train_step) gives the same loss, statistics and
 gradients whether its batch comes whole or split into micro-batches: every loss, the drafts'
 auxiliary ones included, is a mean over the global batch. The split across ranks reduces the
 same sums (tests/test_parallel*.py launch that), so this is what makes a 2-rank run equal a
@@ -13,9 +13,9 @@ from accelerate import Accelerator
 
 from models.target_loaders import build_tiny_random
 from tests.helpers import TINY_CPU_RUN, compose_train
+from train.core.step import StepSetup, train_step
 from train.data.prepare import collate
-from train.run_setup import preflight
-from train.step import StepSetup, train_step
+from train.run.setup import preflight
 
 
 def _rows(n: int = 4) -> list[dict]:

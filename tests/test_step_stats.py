@@ -1,4 +1,4 @@
-"""One optimizer step's loss and statistics over the draft offsets (train/step_stats.py):
+"""One optimizer step's loss and statistics over the draft offsets (train/core/step_stats.py):
 out-of-vocabulary positions masked from the loss but not from the logged statistics, a
 loss's options and the full-vocabulary normaliser passed on, DSpark given the data labels."""
 
@@ -8,10 +8,10 @@ from omegaconf import OmegaConf
 
 from decoding.drafter import Sampling
 from models.protocol import DraftOutput
-from train.acceptance import acceptance_proxy, sampling_cutoffs, simulated_tau
-from train.losses import ce_tv_mix, forward_kl, lk_lambda
-from train.step import StepSetup, StepStats, offset_losses
-from train.step_stats import StepWindow
+from train.core.step import StepSetup, StepStats, offset_losses
+from train.core.step_stats import StepWindow
+from train.losses.acceptance import acceptance_proxy, sampling_cutoffs, simulated_tau
+from train.losses.divergences import ce_tv_mix, forward_kl, lk_lambda
 
 
 def _oov_step(mask_out_of_vocab: bool):

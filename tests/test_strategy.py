@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from train.strategy import Strategy, check_processes, launch_strategy, strategy_ran
+from train.parallel.strategy import Strategy, check_processes, launch_strategy, strategy_ran
 
 CFG = OmegaConf.create({"replay": {"enabled": False}})
 # What `accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 2` exports.

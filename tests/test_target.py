@@ -12,7 +12,7 @@ from models.dtype_choice import choose_target_dtype
 from models.target import Target
 from models.target_loaders import build_tiny_random, hf_target_config, load_hf_target
 from models.tiny_tokenizer import build_char_tokenizer
-from train.memory_plan import meta_target, parameter_counts
+from train.run.memory_plan import meta_target, parameter_counts
 
 
 def test_forward_matches_hf_and_returns_requested_layers(tiny_target: Target):
@@ -159,7 +159,7 @@ def test_a_bf16_target_loads_in_bf16_without_a_float32_copy(tmp_path, monkeypatc
         del model
         cache = tmp_path / "cache"
         config, name = hf_target_config(str(path))
-        # the memory plan's target line (train/memory_plan.py), from the config alone
+        # the memory plan's target line (train/run/memory_plan.py), from the config alone
         planned = parameter_counts(meta_target(config, torch.bfloat16, name).model)[2]
         assert planned == weights
         seconds = iter([2.0, 1.0])  # float32 is timed first, then bfloat16 (CANDIDATES)

@@ -1,5 +1,5 @@
 """The console: third-party output goes to the run's third_party.log, not the console
-(train/run_files.py: route_third_party_output): inductor's AUTOTUNE tables, which its
+(train/run/files.py: route_third_party_output): inductor's AUTOTUNE tables, which its
 select_algorithm writes to stderr, and Python warnings; the console says once where. W&B's
 end-of-run tables stay off it; training and evaluation end with one stage line."""
 
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from train.run_files import THIRD_PARTY_LOG, route_third_party_output
+from train.run.files import THIRD_PARTY_LOG, route_third_party_output
 
 select_algorithm = pytest.importorskip("torch._inductor.select_algorithm")
 
@@ -77,7 +77,7 @@ def test_a_wandb_run_keeps_its_history_tables_off_the_console(tmp_path, monkeypa
 
 
 def test_the_stage_line_of_training_and_evaluation():
-    from train.run_records import stage_line
+    from train.run.records import stage_line
 
     summary = {"steps": 358, "train_s": 840.59, "wall_s": 1515.03}
     line = stage_line(summary, {"eval_s": 629.2}, {"heldout/sim_tau_greedy": 1.55059})

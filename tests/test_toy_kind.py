@@ -23,7 +23,7 @@ from models.protocol import DraftModel, DraftOutput
 from models.target import Target, TargetOutput
 from models.target_loaders import build_tiny_random
 from tests.helpers import TINY_CPU_RUN, compose_train
-from train.checkpoint import list_checkpoints, load_draft
+from train.core.checkpoint import list_checkpoints, load_draft
 from train.loop import run
 
 TOY_CONF = Path(__file__).resolve().parent / "toy_conf"

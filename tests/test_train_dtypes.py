@@ -1,4 +1,4 @@
-"""Training dtypes chosen by measurement (train/machine.py): target.dtype=auto and
+"""Training dtypes chosen by measurement (train/run/machine.py): target.dtype=auto and
 train.bf16=auto follow the timings, the choice is applied to the run, and threads are shared
 among a machine's processes."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-import train.machine
+import train.run.machine
 from tests.helpers import compose_debug, metrics_records
 from train.loop import run
 
 
 def fake_timings(monkeypatch, fast: str) -> None:
-    """Every probe in train/machine.py times `fast` at 1 ms and the other dtype at 9 ms: the
+    """Every probe in train/run/machine.py times `fast` at 1 ms and the other dtype at 9 ms: the
     probe calls its forward in the dtype it measures, so the dtype is read off the call."""
     seen = []
 
@@ -22,7 +22,7 @@ def fake_timings(monkeypatch, fast: str) -> None:
         seen.append(fn)
         return 0.001 if (len(seen) % 2 == 1) == (fast == "float32") else 0.009
 
-    monkeypatch.setattr(train.machine, "median_seconds", median_seconds)
+    monkeypatch.setattr(train.run.machine, "median_seconds", median_seconds)
 
 
 @pytest.mark.parametrize("fast", ["float32", "bfloat16"])
@@ -68,7 +68,7 @@ def test_cached_choice_is_reused_without_measuring(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a cached choice was measured again")
 
-    monkeypatch.setattr(train.machine, "median_seconds", refuse)
+    monkeypatch.setattr(train.run.machine, "median_seconds", refuse)
     summary = json.loads(json.dumps(run(compose_debug(tmp_path / "b", *overrides))))
     assert summary["dtypes"]["train_target"]["source"] == "cached"
     assert summary["dtypes"]["train_draft"]["source"] == "cached"
@@ -77,14 +77,16 @@ def test_cached_choice_is_reused_without_measuring(tmp_path, monkeypatch):
 def test_threads_are_the_cores_shared_by_processes(monkeypatch):
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(train.machine.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(train.run.machine.os, "sched_getaffinity", lambda pid: set(range(8)))
     try:
-        record = train.machine.share_threads(2, torch.device("cpu"))
+        record = train.run.machine.share_threads(2, torch.device("cpu"))
         assert record["threads"] == 4 == torch.get_num_threads()
-        assert train.machine.share_threads(16, torch.device("cpu"))["threads"] == 1
+        assert train.run.machine.share_threads(16, torch.device("cpu"))["threads"] == 1
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         torch.set_num_threads(3)
-        assert train.machine.share_threads(2, torch.device("cpu"))["source"] == "OMP_NUM_THREADS"
+        assert (
+            train.run.machine.share_threads(2, torch.device("cpu"))["source"] == "OMP_NUM_THREADS"
+        )
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
@@ -124,13 +126,13 @@ def test_other_ranks_take_rank_0s_training_dtypes_without_measuring(monkeypatch,
     def no_timing(*args, **kwargs):
         raise AssertionError("a rank other than 0 measured a dtype")
 
-    monkeypatch.setattr(train.machine, "median_seconds", no_timing)
+    monkeypatch.setattr(train.run.machine, "median_seconds", no_timing)
     cfg = compose_debug("unused", "target.dtype=auto", "train.bf16=auto")
     row = {"input_ids": list(range(3, 40)), "loss_mask": [0] * 10 + [1] * 27}
     bf16 = DtypeChoice("train_target", "bfloat16", "measured", {"float32": 2.0, "bfloat16": 1.0})
-    choice = train.machine.set_target_dtype(cfg, tiny_target, row, None, OtherRank(bf16))
+    choice = train.run.machine.set_target_dtype(cfg, tiny_target, row, None, OtherRank(bf16))
     assert choice == bf16 and tiny_target.dtype == torch.bfloat16
     draft_choice = DtypeChoice("train_draft", "float32", "measured", {})
-    got = train.machine.choose_autocast("auto", cfg, tiny_target, None, None, row,
+    got = train.run.machine.choose_autocast("auto", cfg, tiny_target, None, None, row,
                                         OtherRank(draft_choice))  # fmt: skip
     assert got == draft_choice

@@ -412,7 +412,7 @@ def test_evaluate_reports_tree_size_and_tau(target):
 def test_checkpoint_evaluation_uses_the_configured_tree(target, decode, kind):
     from hydra import compose, initialize_config_dir
 
-    from train.evaluate import evaluate_checkpoint
+    from train.eval.evaluate import evaluate_checkpoint
 
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     overrides = [f"decode={decode}", "decode.temperatures=[0.0,1.0]", "decode.max_new_tokens=12"]

@@ -1,4 +1,4 @@
 """draftlab training. Importing the package registers the OmegaConf resolvers conf/train.yaml
-uses (train/resolvers.py), wherever the config is composed."""
+uses (train/run/resolvers.py), wherever the config is composed."""
 
-import train.resolvers  # noqa: F401
+import train.run.resolvers  # noqa: F401

@@ -1,15 +1,15 @@
 """The training loop: `run(cfg)`, config to summary.
 
 Frozen target online, trainable draft, accelerate for devices and ranks. The pieces, in the
-order `run` uses them: the start-up checks (train/settings.py), data (train/data/), the
-draft and its warm start (train/formats/init_from.py), the feature cache
-(train/feature_cache.py), one process, DDP or FSDP2 (train/strategy.py), row order and LR
-schedule (train/schedule.py), replay (train/replay.py), one optimizer step (train/step.py),
-checkpoints and exact resume (train/checkpoint.py; what must match, train/identity.py),
-evaluation (train/evaluate.py), records and W&B (train/step_stats.py,
+order `run` uses them: the start-up checks (train/run/settings.py), data (train/data/), the
+draft and its warm start (train/run/init_from.py), the feature cache
+(train/core/feature_cache.py), one process, DDP or FSDP2 (train/parallel/strategy.py), row order and LR
+schedule (train/core/schedule.py), replay (train/core/replay.py), one optimizer step (train/core/step.py),
+checkpoints and exact resume (train/core/checkpoint.py; what must match, train/run/identity.py),
+evaluation (train/eval/evaluate.py), records and W&B (train/core/step_stats.py,
 train/report/tracking.py). What `run` builds before its first step (accelerator, target,
-draft, preflight, feature cache, replay) is in train/run_setup.py; what it records
-(checkpoints with their evaluation, summary.json) in train/run_records.py.
+draft, preflight, feature cache, replay) is in train/run/setup.py; what it records
+(checkpoints with their evaluation, summary.json) in train/run/records.py.
 
 With train.time_budget_s the run stops once that much training time (steps with their replay
 rollouts, not checkpoints or evaluations) is spent, and `train.steps` is a cap: how runs of
@@ -32,27 +32,32 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from train.checkpoint import restore_trainer_state, resume_checkpoint, resume_setting
+from train.core.checkpoint import restore_trainer_state, resume_checkpoint, resume_setting
+from train.core.optimizers import build_optimizer, optimizer_settings
+from train.core.schedule import global_rows, lr_lambda, rank_chunks, schedule_settings
+from train.core.step import StepResult, StepSetup, TrainingDiverged, train_step
+from train.core.step_stats import StepWindow, proxy_tags
 from train.data.prepare import collate, prepare_data
 from train.data.prompt_file import ood_prompts
-from train.formats.init_from import check_init_from
-from train.identity import Resumed, check_resume, run_identity
-from train.machine import choose_autocast, share_threads
-from train.memory_plan import MemoryPlan
-from train.optimizers import build_optimizer, optimizer_settings
-from train.phase_memory import PhaseMemory
-from train.ranks import Ranks
+from train.disk import write_atomic
+from train.parallel.ranks import Ranks
+from train.parallel.strategy import check_processes, launch_strategy, shard, strategy_ran
 from train.report.tracking import RunLog, finish_tracking, init_tracking
-from train.run_files import (
+from train.run.files import (
     check_run_dir,
     clear_run,
     route_third_party_output,
     save_hydra_record,
-    write_atomic,
     write_eval_prompts,
 )
-from train.run_records import RunRecords, checkpoint_and_evaluate, evaluate_at, write_summary
-from train.run_setup import (
+from train.run.identity import Resumed, check_resume, run_identity
+from train.run.init_from import check_init_from
+from train.run.machine import choose_autocast, share_threads
+from train.run.memory_plan import MemoryPlan
+from train.run.phase_memory import PhaseMemory
+from train.run.records import RunRecords, checkpoint_and_evaluate, evaluate_at, write_summary
+from train.run.settings import check_decode_context, check_settings
+from train.run.setup import (
     build_draft,
     feature_cache,
     heldout_proxy,
@@ -61,11 +66,6 @@ from train.run_setup import (
     make_replay,
     preflight,
 )
-from train.schedule import global_rows, lr_lambda, rank_chunks, schedule_settings
-from train.settings import check_decode_context, check_settings
-from train.step import StepResult, StepSetup, TrainingDiverged, train_step
-from train.step_stats import StepWindow, proxy_tags
-from train.strategy import check_processes, launch_strategy, shard, strategy_ran
 
 __all__ = ["TrainingDiverged", "run"]
 
@@ -83,9 +83,9 @@ def progress_bar(cfg: DictConfig, start_step: int, train_s: float, main: bool) -
 
 
 def measured_memory(plan: MemoryPlan, memory: PhaseMemory) -> dict:
-    """The main rank's memory plan (train/memory_plan.py) beside what it measured: the
+    """The main rank's memory plan (train/run/memory_plan.py) beside what it measured: the
     process's peak RSS and, on CUDA, the peak memory torch allocated, each overall and per
-    phase (train/phase_memory.py), with the plan's figure for each phase."""
+    phase (train/run/phase_memory.py), with the plan's figure for each phase."""
     measured = memory.record()
     planned = plan.phase_bytes()
     for name, phase in measured["phases"].items():
@@ -109,7 +109,7 @@ def diverged(step: int, result: StepResult, last_checkpoint: str | None) -> Trai
 
 def run(cfg: DictConfig) -> dict:
     """Train cfg.draft on cfg.target; checkpoints, evaluation and summary in cfg.run_dir.
-    The run sets torch's thread count to its share of the cores (train/machine.py); a caller
+    The run sets torch's thread count to its share of the cores (train/run/machine.py); a caller
     that runs it in-process (tests, a notebook) gets its own count back."""
     threads = torch.get_num_threads()
     try:
@@ -137,7 +137,7 @@ def train_run(cfg: DictConfig) -> dict:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes on this machine
     threads = share_threads(local, accelerator.device)
     ranks = Ranks.current()  # regeneration, feature cache, evaluation: each rank its share
-    # Its dtype chosen and the memory plan checked before a weight is read (train/run_setup.py)
+    # Its dtype chosen and the memory plan checked before a weight is read (train/run/setup.py)
     target, target_choice, plan = load_target(cfg, accelerator.device, resume_from, local, strategy, ranks)  # fmt: skip
     resumed: Resumed | None = None  # the saved run continued exactly, or refused here
     if resume_from is not None:
@@ -285,12 +285,12 @@ def train_run(cfg: DictConfig) -> dict:
             "train_s": round(clock["train_s"], 2),  # steps + rollouts, all segments of the run
             "resumed_from": str(resume_from) if resume_from else None,
             "world_size": world,
-            "strategy": ran,  # what ran, read from the prepared draft (train/strategy.py)
+            "strategy": ran,  # what ran, read from the prepared draft (train/parallel/strategy.py)
             "wall_s": round(wall, 2),
             "steps_per_s": (done - start_step) / wall if wall > 0 else None,
             **window.totals(),  # tokens_per_s, target_time_share
             "data_stats": prepared.stats,
-            "threads": threads,  # torch threads per process and why (train/machine.py)
+            "threads": threads,  # torch threads per process and why (train/run/machine.py)
             "dtypes": {use: choice.as_record() for use, choice in dtypes.items()},
             "memory": measured_memory(plan, memory),  # the plan beside the peak
         }

@@ -55,7 +55,7 @@ class DFlashDrafter:
     @staticmethod
     def max_draft_tokens(model_settings: Mapping[str, Any]) -> int | None:
         """One block forward drafts block_size - 1 tokens. Not replayable: the draft trains at
-        its own sampled anchors, not at the positions a rollout picks (train/replay.py)."""
+        its own sampled anchors, not at the positions a rollout picks (train/core/replay.py)."""
         return model_settings.get("block_size", 8) - 1
 
     def __init__(self, model: DFlashDraft, target: Target):

@@ -1,6 +1,6 @@
 """The self-speculative drafter (models/selfspec.py) for the shared decoder: chains, one KV
 cache. Eager only: the compiled path's static cache holds one length for every layer, and
-a drafting round leaves layers < L ahead of the rest (train/eval_plan.py decodes this kind
+a drafting round leaves layers < L ahead of the rest (train/eval/plan.py decodes this kind
 eagerly beside a compiled AR).
 
 A round, newest token c not yet in the cache, committed tokens in every layer:

@@ -40,8 +40,8 @@ from tqdm.auto import tqdm
 
 from train.data.chat import assistant_spans, encode_batch, fast_renderer, shift_mask, span_flags
 from train.data.sources import FILE_BUILDERS, check_source, guess_category, to_messages
-from train.ranks import Ranks
-from train.run_files import drop_dead_writers, out_of_space
+from train.disk import drop_dead_writers, out_of_space
+from train.parallel.ranks import Ranks
 
 SHARD_ROWS = 5000
 # Raise when a stage's output changes for the same input: READ_FORMAT for stage 1 (to_messages,

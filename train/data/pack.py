@@ -29,7 +29,7 @@ from pathlib import Path
 
 from models.target import Target
 from train.data.self_prompts import NearCopies
-from train.run_files import write_atomic
+from train.disk import write_atomic
 
 BUILTIN = Path(__file__).parent / "packs" / "smollm2_135m"
 FORMAT = 1

@@ -36,7 +36,7 @@ from train.data.regenerate import regenerate as regenerate_responses
 from train.data.row_selection import RowScan, held_out_split, pick_rows, rows_dataset
 from train.data.self_prompts import self_conversations
 from train.data.turns import regenerate_every_turn
-from train.ranks import Ranks
+from train.parallel.ranks import Ranks
 
 
 @dataclass
@@ -132,7 +132,7 @@ def prepare_data(
     validation rows, `val_rows`, never trained). Neither ever holds an eval prompt or an
     out-of-domain prompt, nor a near-copy of one.
 
-    `ranks` (train/ranks.py): every rank of a run calls this and answers its share of the
+    `ranks` (train/parallel/ranks.py): every rank of a run calls this and answers its share of the
     prompts; rank 0 picks the regeneration dtype for all of them; every rank gets the
     same data. `regen_backend`: hf (the target in this process, in `regen_dtype`,
     `regen_batch_size` slots of continuous batching: train/data/answer_batch.py) or openai (an OpenAI-compatible server: the other

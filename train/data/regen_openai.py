@@ -55,7 +55,7 @@ from train.data.regenerate import (
     shard_file,
     write_settings,
 )
-from train.ranks import Ranks
+from train.parallel.ranks import Ranks
 
 BACKENDS = ("hf", "openai")
 # Summed over the ranks (train/data/regenerate.py: merged_stats).

@@ -6,7 +6,7 @@ what the draft sees at decode time: the field reports ~+10% τ from it.
 Cache layout: <root>/data/regen/<settings-key>/responses.jsonl, one JSON line per
 answered prompt, appended as each answer ends (train/data/answer_batch.py: a crash loses
 only the answers in progress; a rerun skips every prompt already in the file). With several
-processes (`ranks`, train/ranks.py) the prompts still missing are sorted and cut into batches
+processes (`ranks`, train/parallel/ranks.py) the prompts still missing are sorted and cut into batches
 of `batch_size` as one process would, batch b goes to rank b mod world, and rank r appends
 to its own shard file (rank 0: responses.jsonl, rank r > 0: responses.rank<r>.jsonl); every
 rank then reads every shard file. Each prompt samples with its own generator (seeded by the
@@ -42,8 +42,8 @@ from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from train.data.answer_batch import answer_prompts
-from train.ranks import Ranks
-from train.run_files import write_atomic
+from train.disk import write_atomic
+from train.parallel.ranks import Ranks
 
 
 def default_cache_root() -> Path:

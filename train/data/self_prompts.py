@@ -22,7 +22,7 @@ import re
 
 from models.target import Target
 from train.data.regenerate import regen_dtype_choice, regenerate
-from train.ranks import Ranks
+from train.parallel.ranks import Ranks
 
 SENTINEL = "\x00draftlab-self-prompt\x00"
 WORD = re.compile(r"\w+")

@@ -3,7 +3,7 @@ dataset (through `datasets.load_dataset`), in ShareGPT (`conversations` with fro
 OpenAI (`messages` with role/content) form: each row's turns as messages (`to_messages`); read
 and tokenized on disk by train/data/local_source.py.
 `check_source` refuses a source that cannot hold any (unset, missing, empty, of another file
-type) before the target is loaded (train/settings.py).
+type) before the target is loaded (train/run/settings.py).
 """
 
 from __future__ import annotations

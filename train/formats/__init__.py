@@ -8,6 +8,4 @@ kinds.py       which draft kind is written as which format (`EXPORT_FORMATS`), c
 eagle.py       the EAGLE heads' writers: `export_speculators`, `export_eagle`.
 eagle_read.py  `read_eagle_export`: a speculators / eagle export back into an EAGLE head.
 checks.py      what every writer shares: `ExportError` and the checks before and after writing.
-init_from.py   `init_draft_from(path, draft, target)`: any of these formats, or a draftlab
-               checkpoint, loaded into the draft the config builds (`draft.init_from=DIR`).
 """

@@ -1,7 +1,7 @@
 """Read an EAGLE head exported in the `speculators` or `eagle` layout (train/formats/eagle.py
 describes both) back into `models.eagle.EagleDraft`'s state_dict keys, with the settings to
 build that draft: `read_eagle_export(path, target)`, what `draft.init_from=DIR`
-(train/formats/init_from.py) calls for those formats. The served fc already holds the tap
+(train/run/init_from.py) calls for those formats. The served fc already holds the tap
 scale, so the state read back has tap_scale = 1; its blocks are in ascending tap order (the
 engines'), and `in_tap_order` permutes them into a draft's own order of the same taps.
 """

@@ -62,13 +62,13 @@ from torch import Tensor, nn
 from models.draft_lm import DraftLM
 from models.medusa import MedusaHeads
 from models.target import Target
-from train.checkpoint import load_draft
+from train.core.checkpoint import load_draft
+from train.disk import drop_dead_writers
 from train.formats.checks import ExportError, check_finite, check_keys, check_vocab, read_back
 from train.formats.dflash import export_dflash_speculators
 from train.formats.eagle import export_eagle, export_speculators
 from train.formats.kinds import check_kind_format, module_export_kind
 from train.formats.mtp import export_mtp_speculators
-from train.run_files import drop_dead_writers
 
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 VLLM_WEIGHTS = "model.safetensors"
@@ -304,7 +304,7 @@ def export(
     exporting machine's path would mean nothing where it is served) and `speculative_tokens`
     (the draft length per round the engine proposes; scripts/export.py takes both from the
     checkpoint's config unless given); the other formats take neither. `identity`: the
-    checkpoint's identity record (train/identity.py): an export for another target than the
+    checkpoint's identity record (train/run/identity.py): an export for another target than the
     one trained against (its head rows and embedding would be another model's) is refused,
     and the record is written beside the weights as IDENTITY_FILE, so an import
     (draft.init_from) compares the target it loads into. A target held in another dtype than

@@ -2,7 +2,7 @@
 tau at each checkpoint, per-position acceptance of the final evaluation, the training
 proxy's predicted tau against the measured one, acceptance against the target's entropy, and
 the learning curve (tau and speedup against training seconds; compare.py, and every run
-with an evaluation or held-out proxy records saves its own: train/run_records.py).
+with an evaluation or held-out proxy records saves its own: train/run/records.py).
 scripts/compare.py saves them as PNGs (`PLOTS`: file name -> function); the notebook shows
 the first four inline."""
 
@@ -198,7 +198,7 @@ def plot_learning_curve(groups: list[Group]) -> Figure:
     T > 0 dashed): decoded on the held-out prompts at every evaluated checkpoint (markers,
     eval records' `train_s`; an older run's final evaluation takes the summary's), simulated
     from the held-out proxy at every checkpoint (thin line, `heldout` records:
-    train/heldout.py) and from the training rows the draft is fitting (dotted, `train`
+    train/eval/heldout.py) and from the training rows the draft is fitting (dotted, `train`
     records). Right, the decoded speedup against the eager AR, and against the compiled AR
     (dotted) where the compiled path was the evaluation. A pyplot-free Figure: a training run
     saves it (`save_learning_curve`) without opening a pyplot window or choosing a backend."""

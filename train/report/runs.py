@@ -16,7 +16,7 @@ group, tau and speedup are the mean over runs (seeds) with a 95% Student t-inter
 (mean +- t_{0.975, n-1} * s / sqrt(n), s the sample standard deviation).
 
 The headline tag of an evaluation is "greedy" when temperature 0 was evaluated, otherwise
-the first temperature ("T0.7"), as in train/evaluate.py: `tau` and `speedup` of an eval
+the first temperature ("T0.7"), as in train/eval/evaluate.py: `tau` and `speedup` of an eval
 record are that tag's values.
 
 Acceptance against the target's entropy (`<tag>/entropy_alpha`, decoding/entropy.py) is
@@ -38,7 +38,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-# The keys of held-out proxy records (train/heldout.py), apart from the train records' in W&B
+# The keys of held-out proxy records (train/eval/heldout.py), apart from the train records' in W&B
 HELDOUT_PREFIX = "heldout/"
 # Config fields that never define a group: where a run is, how it is logged or resumed.
 RUN_MANAGEMENT = ("seed", "name", "run_dir", "resume", "overwrite", "device", "logger.")

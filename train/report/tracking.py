@@ -13,8 +13,8 @@ from pathlib import Path, PurePosixPath
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
+from train.disk import write_atomic
 from train.report.runs import eval_tags, flatten
-from train.run_files import write_atomic
 
 
 def setup_wandb_env() -> None:
@@ -57,7 +57,7 @@ def wandb_run_settings(cfg: DictConfig | dict) -> dict:
     tags = sorted(("greedy" if t == 0.0 else f"T{t:g}" for t in temps), key=lambda t: t != "greedy")
     keys = ["final/tau", "final/speedup", "final/train_wall_s", "final/train_s", "final/steps"]
     keys += ["final/loss", "final/sim_tau"]
-    for tag in tags:  # as train/evaluate.py names them
+    for tag in tags:  # as train/eval/evaluate.py names them
         keys += [f"final/{tag}/{m}" for m in ("tau", "speedup", "proxy_tau", "entropy_slope")]
         keys += [f"final/{tag}/alpha_{i}" for i in range(1, int(flat.get("decode.k") or 4) + 1)]
     return {

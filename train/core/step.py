@@ -7,7 +7,7 @@ GLOBAL count of trained positions (all ranks, all micro-batches of the step), ti
 world_size because DDP averages gradients. So the gradient is the token-mean over the global
 batch whatever the split across ranks and micro-batches.
 
-`offset_losses` sums the configured loss (`LossSpec`, train/losses.py) over every draft
+`offset_losses` sums the configured loss (`LossSpec`, train/losses/divergences.py) over every draft
 offset (Medusa heads, MTP depths, EAGLE unroll steps; a draft LM has one offset 0), weighted
 offset_decay**i or by the draft's own weights, and adds per-offset sums to a `StepStats`.
 `aux_loss` adds what a draft trains besides its offsets: its own weighted
@@ -15,10 +15,10 @@ offset_decay**i or by the draft's own weights, and adds per-offset sums to a `St
 (Medusa-2), weight * KL(p_target || p_adapted), both summed over positions and divided by
 the global batch's real tokens (a mean over the batch whatever its split, as the offsets').
 
-The acceptance statistics are the decoder's (train/acceptance.py): top-1 agreement with the
+The acceptance statistics are the decoder's (train/losses/acceptance.py): top-1 agreement with the
 target's full-vocabulary argmax (greedy), and alpha = Σ min(p, q) over the draft's ids with
 the target's un-renormalised full-vocabulary p, at the loss temperature and at every T > 0
-decode sampling of cfg.decode with its top-k / top-p, which train/evaluate.py compares with
+decode sampling of cfg.decode with its top-k / top-p, which train/eval/evaluate.py compares with
 the decoder's tau. The loss itself keeps the target renormalised over a reduced draft
 vocabulary, except for losses that declare `full_vocab_alpha` (the TV family), which get the
 full-vocabulary logsumexp (`target_log_norm`).
@@ -46,12 +46,12 @@ from torch import Tensor
 from decoding.drafter import Sampling
 from models.protocol import DraftModel, DraftOutput
 from models.target import Target, TargetOutput
-from train.acceptance import acceptance_proxy, sampling_cutoffs, top1_agreement
-from train.feature_cache import FeatureCache, cached_target_output
-from train.losses import LossSpec, forward_kl
-from train.replay import Replay
-from train.step_stats import decode_samplings
-from train.strategy import gradient_sync
+from train.core.feature_cache import FeatureCache, cached_target_output
+from train.core.replay import Replay
+from train.core.step_stats import decode_samplings
+from train.losses.acceptance import acceptance_proxy, sampling_cutoffs, top1_agreement
+from train.losses.divergences import LossSpec, forward_kl
+from train.parallel.strategy import gradient_sync
 
 
 class TrainingDiverged(RuntimeError):
@@ -71,7 +71,7 @@ class StepSetup:
     mask_out_of_vocab: bool = False  # train.mask_out_of_vocab
     max_grad_norm: float | None = None  # train.max_grad_norm; 0 / None = no clipping
     # bf16 autocast of the draft's forward and loss, applied here: train.bf16=auto on a CPU
-    # where it measured faster (train/machine.py). train.bf16=true is accelerate's autocast.
+    # where it measured faster (train/run/machine.py). train.bf16=true is accelerate's autocast.
     autocast: bool = False
     feature_noise: float = 0.0  # train.feature_noise: `noisy_features`' scale, 0 = off
 
@@ -289,7 +289,7 @@ class StepResult:
 
 def train_step(
     step: int,
-    draft: torch.nn.Module,  # as prepared: DDP-wrapped, FSDP2-sharded (train/strategy.py), bare
+    draft: torch.nn.Module,  # as prepared: DDP-wrapped, FSDP2-sharded (train/parallel/strategy.py), bare
     core: DraftModel,  # the unwrapped draft
     target: Target,
     micro: list[dict[str, Tensor]],  # grad_accum micro-batches on the device

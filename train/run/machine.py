@@ -28,8 +28,8 @@ from models.dtype_choice import choose_target_dtype as slice_dtype
 from models.dtypes import resolve_dtype
 from models.protocol import DraftModel
 from models.target import Target
-from train.ranks import Ranks
-from train.step import StepSetup, StepStats, offset_losses, target_output
+from train.core.step import StepSetup, StepStats, offset_losses, target_output
+from train.parallel.ranks import Ranks
 
 
 def share_threads(local_processes: int, device: torch.device) -> dict:

@@ -1,6 +1,6 @@
 """Evaluation after each checkpoint: the shared decoder on held-out prompts, as planned.
 
-`evaluate_checkpoint` asks train/eval_plan.py for the checkpoint's plan (the dtypes, the path
+`evaluate_checkpoint` asks train/eval/plan.py for the checkpoint's plan (the dtypes, the path
 — eager or compiled —, the passes, the samplings, the prompts; decided once per run from
 measurements on this machine and recorded under `dtypes`), then decodes it: at every sampling,
 headline first (greedy where configured), `decoding.metrics.decode_prompts` decodes each
@@ -13,13 +13,13 @@ decoded —, `loop_efficiency`, the head's own tau (`tau_head`, `speedup_head`) 
 acceptance against the target's entropy (`<tag>/entropy_alpha`; decoding/entropy.py,
 docs/design.md §3). Beside them: the training proxy's prediction at that same sampling and
 its error (`<tag>/proxy_tau`, `proxy_error`: simulated tau from alpha = sum min(p, q), from
-top-1 agreement for greedy; train/step_stats.py), so a train/decode mismatch (high proxy,
+top-1 agreement for greedy; train/core/step_stats.py), so a train/decode mismatch (high proxy,
 tau ~ 1) shows at once, and at the headline sampling the out-of-domain prompts' tau, lookup
 share and head-only tau (`ood/<tag>/...`, `ood/tau_ratio`). `compile_s`,
 `compiled_graphs` and `compiled_cudagraphs` say what compiling cost at this checkpoint (0
 once a run's graphs exist).
 
-With several processes (`ranks`, train/ranks.py) rank 0 plans and every rank decodes in its
+With several processes (`ranks`, train/parallel/ranks.py) rank 0 plans and every rank decodes in its
 verdicts: rank r decodes prompts r, r + world, ... (prompt i seeded as in one process), and
 the per-prompt results are gathered and summarised in prompt order, so τ, α, the accept
 counts of every prompt and the token counts equal one process's (timings are sums over
@@ -41,9 +41,9 @@ from decoding.metrics import (
 )
 from models.few_rows import few_rows_products
 from models.target import Target
-from train.eval_compile import DecodeCopies
-from train.eval_plan import CheckpointPlan, plan_checkpoint
-from train.ranks import Ranks
+from train.eval.compiled import DecodeCopies
+from train.eval.plan import CheckpointPlan, plan_checkpoint
+from train.parallel.ranks import Ranks
 
 # The headline sampling's keys copied to the record's top level, for curves and summaries.
 HEADLINE_KEYS = ("tau", "tau_head", "speedup", "speedup_eager_ar", "speedup_compiled_ar",

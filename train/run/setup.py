@@ -21,21 +21,27 @@ from models.dtype_choice import DtypeChoice
 from models.protocol import DraftModel
 from models.target import Target
 from models.target_loaders import target_config
+from train.core.feature_cache import FeatureCache, build_feature_cache
+from train.core.replay import Replay
+from train.core.schedule import global_rows
+from train.core.step import StepSetup
 from train.data.chat import resolve_chat_template
 from train.data.prepare import PreparedData
-from train.feature_cache import FeatureCache, build_feature_cache
-from train.formats.init_from import init_draft_from
-from train.heldout import HeldOut, heldout_rows
-from train.identity import read_identity
-from train.machine import PROBE_TOKENS, target_dtype
-from train.memory_plan import MemoryPlan, check_fits, device_memory, plan_for_run, process_memory
-from train.ranks import Ranks, dist_timeout
-from train.replay import Replay
+from train.eval.heldout import HeldOut, heldout_rows
+from train.parallel.ranks import Ranks, dist_timeout
+from train.parallel.strategy import Strategy
 from train.report.tracking import tracker
-from train.schedule import global_rows
-from train.settings import gpu_index
-from train.step import StepSetup
-from train.strategy import Strategy
+from train.run.identity import read_identity
+from train.run.init_from import init_draft_from
+from train.run.machine import PROBE_TOKENS, target_dtype
+from train.run.memory_plan import (
+    MemoryPlan,
+    check_fits,
+    device_memory,
+    plan_for_run,
+    process_memory,
+)
+from train.run.settings import gpu_index
 
 
 def instantiate(node: DictConfig, **kwargs):
@@ -63,8 +69,8 @@ def load_target(
 ) -> tuple[Target, DtypeChoice, MemoryPlan]:  # fmt: skip
     """The frozen target, loaded straight into its training dtype on `device`, that
     dtype's choice, and the run's memory plan. Before any weight is read: the dtype is chosen from the target's config
-    (train/machine.py: target_dtype; a resumed auto run keeps its checkpoint's), and a launch
-    whose memory plan (train/memory_plan.py) exceeds the device's memory is refused."""
+    (train/run/machine.py: target_dtype; a resumed auto run keeps its checkpoint's), and a launch
+    whose memory plan (train/run/memory_plan.py) exceeds the device's memory is refused."""
     config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
     saved = (read_identity(resume_from).get("target") or {}).get("dtype") if resume_from else None
     tokens = min(PROBE_TOKENS, int(cfg.data.max_len))
@@ -79,9 +85,9 @@ def load_target(
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:
     """train.bf16: true -> accelerate's bf16 autocast; "auto" -> the same on CUDA, and on a
-    CPU the measured choice (train/machine.py), applied by train_step itself. device=cuda:N
-    makes GPU N current (train.settings.gpu_index). Every collective of a multi-process run
-    waits at most train.dist_timeout_s (train/ranks.py)."""
+    CPU the measured choice (train/run/machine.py), applied by train_step itself. device=cuda:N
+    makes GPU N current (train.run.settings.gpu_index). Every collective of a multi-process run
+    waits at most train.dist_timeout_s (train/parallel/ranks.py)."""
     device = str(cfg.device)
     index = gpu_index(device, int(os.environ.get("WORLD_SIZE", "1")))
     if index is not None:  # accelerate's single process runs on "cuda", the current GPU
@@ -147,7 +153,7 @@ def feature_cache(
 def make_replay(
     cfg: DictConfig, rows, offsets: list[int], pad_id: int, accelerator
 ) -> Replay | None:
-    """On-policy replay of the draft's own rollouts (train/replay.py), when enabled."""
+    """On-policy replay of the draft's own rollouts (train/core/replay.py), when enabled."""
     if cfg.get("replay") is None or not cfg.replay.enabled:
         return None
     args = OmegaConf.to_container(cfg.replay, resolve=True)
@@ -163,7 +169,7 @@ def heldout_proxy(
     cfg: DictConfig, target: Target, prepared: PreparedData, setup: StepSetup
 ) -> list[HeldOut] | None:
     """train.heldout_proxy: the eval prompts with the target's greedy answers, as long as the
-    decoder's (train/heldout.py), answered by the target as it trains (its dtype now: no
+    decoder's (train/eval/heldout.py), answered by the target as it trains (its dtype now: no
     copy in another; every rank answers its share), and the validation rows a pack holds out
     (data.pack_val: `val/` keys), the ones recipe decisions read."""
     if not cfg.train.get("heldout_proxy"):

@@ -1,5 +1,5 @@
 """The names of decode samplings in records, and `StepWindow`, which turns the statistics
-of training steps (train/step.py: StepStats) into the `kind: train` records of metrics.jsonl:
+of training steps (train/core/step.py: StepStats) into the `kind: train` records of metrics.jsonl:
 loss per offset, alpha and top-1 per offset, simulated tau, alpha at every T > 0 decode
 sampling (`alpha_T0.7`), out-of-vocabulary share, throughput.
 """
@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from decoding.drafter import Sampling
-from train.acceptance import simulated_tau
+from train.losses.acceptance import simulated_tau
 
 
 def sampling_tag(sampling: Sampling) -> str:

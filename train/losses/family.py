@@ -1,4 +1,4 @@
-"""More losses of the one-loss API (train/losses.py: `LOSSES`, `Loss`, `LossSpec`), defined
+"""More losses of the one-loss API (train/losses/divergences.py: `LOSSES`, `Loss`, `LossSpec`), defined
 as the training libraries that introduced them define them, so a recipe ports with its loss:
 
 - `jsd`: the Jensen-Shannon divergence, with a skew that moves it from forward KL (skew 0)
@@ -10,11 +10,11 @@ as the training libraries that introduced them define them, so a recipe ports wi
   against the target's argmax, each draft position weighted by how much of its chain of
   drafts it can still make accepted (`dpace_weights`). The weights need every offset of a
   chain at once, so the training step asks for them first (`dpace_chain_weights`, the
-  `Loss.chain_weights` of train/losses.py) and passes each offset's as `position_weights`.
+  `Loss.chain_weights` of train/losses/divergences.py) and passes each offset's as `position_weights`.
 - `mix`: a weighted sum of registered losses, each part with its own options
   (`loss.parts=[{name: kl, weight: 0.5}, {name: tv, weight: 0.5}]`).
 
-Every loss is a plain function over [N, V] rows, chunked by train/loss_rows.py:
+Every loss is a plain function over [N, V] rows, chunked by train/losses/rows.py:
 masked_reduce; masked mean over positions or, with reduction="sum", the masked sum.
 """
 
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from train.acceptance import DEFAULT_CHUNK, check_logits
-from train.loss_rows import ce_rows, log_probs, masked_reduce
+from train.losses.acceptance import DEFAULT_CHUNK, check_logits
+from train.losses.rows import ce_rows, log_probs, masked_reduce
 
 NLA_EPS = 1e-5  # speculators' floor on alpha (losses/eager.py: _NLA_EPS)
 DEFAULT_MIX = ({"name": "kl", "weight": 0.5}, {"name": "tv", "weight": 0.5})  # conf/loss/mix.yaml
@@ -147,7 +147,7 @@ def dpace_chain_weights(
     dpace_alpha: float = 0.5,
 ) -> list[Tensor]:
     """D-PACE's weight of every trained draft, one [N_i] per offset in the order
-    train/step.py: offset_losses flattens that offset's rows: [B, N] at sampled positions
+    train/core/step.py: offset_losses flattens that offset's rows: [B, N] at sampled positions
     (DFlash blocks), else [B, T - offset]. The chain of position t is its drafts at every
     offset (a DFlash block, Medusa's heads, EAGLE's unroll, MTP's depths), paired as
     models/protocol.py aligns them: logits[i][:, t] with the target at t + offsets[i].
@@ -252,7 +252,7 @@ def _check_parts(parts: Any) -> None:
 def check_mix(parts: Sequence[Any] = DEFAULT_MIX, *, losses: Mapping[str, Any]) -> None:
     """loss.parts: a non-empty list of registered losses (not mixes, not chain-weighted),
     each with a weight >= 0 and only its own options, which its own function checks (called
-    on a one-row probe, as train/settings.py checks other settings)."""
+    on a one-row probe, as train/run/settings.py checks other settings)."""
     _check_parts(parts)
     weights = []
     for part in parts:
@@ -276,7 +276,7 @@ def loss_mix(
     target_log_norm: Tensor | None = None,  # [N] to the parts that declare full_vocab_alpha
     parts: Sequence[Any] = DEFAULT_MIX,
     *,
-    losses: Mapping[str, Any],  # the registry (train/losses.py: LOSSES)
+    losses: Mapping[str, Any],  # the registry (train/losses/divergences.py: LOSSES)
     chunk_size: int = DEFAULT_CHUNK,
     reduction: str = "mean",
 ) -> Tensor:

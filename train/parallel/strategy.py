@@ -26,7 +26,7 @@ Under FSDP (the frozen target is never sharded: each rank runs its own copy):
   one parameter at a time (an all-gather each) for the evaluation and freed after it. A
   sharded module's forward all-gathers, so a rank decoding alone would wait forever;
 - resume loads the full state into the sharded draft and optimizer on every rank
-  (train/checkpoint.py: restore_trainer_state).
+  (train/core/checkpoint.py: restore_trainer_state).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the training loop (train/loop.py) records of a run: `RunRecords`, what it knows so
-far; `checkpoint_and_evaluate`, a checkpoint (train/checkpoint.py) with its evaluation
-(train/evaluate.py); `write_summary`, summary.json and learning_curve.png at the end."""
+far; `checkpoint_and_evaluate`, a checkpoint (train/core/checkpoint.py) with its evaluation
+(train/eval/evaluate.py); `write_summary`, summary.json and learning_curve.png at the end."""
 
 from __future__ import annotations
 
@@ -16,18 +16,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.protocol import DraftModel
 from models.target import Target
-from train.checkpoint import rng_state, save_checkpoint, set_rng_state, trainer_state
+from train.core.checkpoint import rng_state, save_checkpoint, set_rng_state, trainer_state
+from train.core.replay import Replay
 from train.data.prepare import PreparedData
-from train.eval_compile import DecodeCopies
-from train.evaluate import evaluate_checkpoint, format_eval_table
-from train.heldout import PREFIX, HeldOut
-from train.phase_memory import PhaseMemory
-from train.ranks import Ranks
-from train.replay import Replay
+from train.disk import write_atomic
+from train.eval.compiled import DecodeCopies
+from train.eval.evaluate import evaluate_checkpoint, format_eval_table
+from train.eval.heldout import PREFIX, HeldOut
+from train.parallel.ranks import Ranks
+from train.parallel.strategy import Strategy, eval_draft, full_state
 from train.report.plots import save_learning_curve
 from train.report.tracking import RunLog
-from train.run_files import write_atomic
-from train.strategy import Strategy, eval_draft, full_state
+from train.run.phase_memory import PhaseMemory
 
 
 @dataclass
@@ -36,14 +36,14 @@ class RunRecords:
     (train/report/tracking.py: RunLog.earlier), so its summary covers the whole run."""
 
     last_train: dict | None = None  # the newest train record: alpha per offset, simulated tau
-    last_heldout: dict | None = None  # the newest held-out proxy record (train/heldout.py)
+    last_heldout: dict | None = None  # the newest held-out proxy record (train/eval/heldout.py)
     evals: list[dict] = field(default_factory=list)  # eval records, oldest first
     last_checkpoint: str | None = None
     decode_copies: DecodeCopies | None = None  # built at the first evaluation, then reused
     rows_consumed: int = 0  # rows of the seeded stream trained on, all segments of the run
     schedule: dict = field(default_factory=dict)  # the LR schedule's settings, as it started
-    identity: dict | None = None  # identity.json of every checkpoint (train/identity.py)
-    memory: PhaseMemory | None = None  # peak memory per phase (train/phase_memory.py)
+    identity: dict | None = None  # identity.json of every checkpoint (train/run/identity.py)
+    memory: PhaseMemory | None = None  # peak memory per phase (train/run/phase_memory.py)
 
     def phase(self, name: str) -> AbstractContextManager:
         return self.memory.phase(name) if self.memory is not None else nullcontext()
@@ -69,8 +69,8 @@ def checkpoint_and_evaluate(
     """Checkpoint `step` (every rank takes part in the gathers; the main rank writes), its
     held-out proxy (train.heldout_proxy: the main rank, seconds) and, when due, its
     evaluation with the shared decoder (every rank decodes its share of the prompts,
-    train/evaluate.py; the main rank records), both with the full draft, never the
-    FSDP-sharded module (train/strategy.py)."""
+    train/eval/evaluate.py; the main rank records), both with the full draft, never the
+    FSDP-sharded module (train/parallel/strategy.py)."""
     with records.phase("checkpoint"):
         write_checkpoint(cfg, accelerator, strategy, draft, optimizer, scheduler, replay,
                          records, step, train_s, loss)  # fmt: skip

@@ -25,10 +25,10 @@ finite minimum before any product, so 0 * (-inf) never appears and gradients sta
 One exception is real, not numerical: KL(q || p) is +inf when the draft puts mass where a
 truncated target has none; use kl or tv against top-k-truncated target logits.
 
-The per-row pieces and the chunked reduction are in train/loss_rows.py; JSD, NLA, D-PACE and
-weighted mixes of these losses in train/loss_family.py. The acceptance statistics logged
+The per-row pieces and the chunked reduction are in train/losses/rows.py; JSD, NLA, D-PACE and
+weighted mixes of these losses in train/losses/family.py. The acceptance statistics logged
 beside the losses (`acceptance_proxy`, `top1_agreement`, `simulated_tau`) are in
-train/acceptance.py.
+train/losses/acceptance.py.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from decoding.drafter import Sampling
-from train import loss_family as family
-from train.acceptance import DEFAULT_CHUNK, acceptance_proxy, check_logits
-from train.loss_rows import (
+from train.losses import family
+from train.losses.acceptance import DEFAULT_CHUNK, acceptance_proxy, check_logits
+from train.losses.rows import (
     alpha_rows,
     ce_rows,
     check_log_norm,
@@ -293,7 +293,7 @@ class Loss:
     full_vocab_alpha: bool = False
     check: Callable[..., None] | None = None  # check(**options): bad settings refused up front
     # D-PACE: each position's weight from its chain of drafts, every offset at once; the step
-    # passes it as `position_weights` and the offsets' own weights become 1 (train/step.py)
+    # passes it as `position_weights` and the offsets' own weights become 1 (train/core/step.py)
     chain_weights: Callable[..., list[Tensor]] | None = None
 
     def __call__(self, *args, **kwargs) -> Tensor:

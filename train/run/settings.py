@@ -5,8 +5,8 @@ or the data (the context window: `check_decode_context`) runs once they are load
 any training.
 
 The checks are those of the code that uses each setting (decoding.verify.check_sampling,
-decoding.tree.TreeSpec, train.replay.Replay, models.dtypes.resolve_dtype, the loss table,
-train.optimizers.build_optimizer), called on the config values, with the config key in front
+decoding.tree.TreeSpec, train.core.replay.Replay, models.dtypes.resolve_dtype, the loss table,
+train.core.optimizers.build_optimizer), called on the config values, with the config key in front
 of their messages.
 """
 
@@ -25,14 +25,14 @@ from decoding.tree import TreeSpec
 from decoding.verify import check_sampling
 from models.dtypes import resolve_dtype
 from models.target import Target
+from train.core.optimizers import build_optimizer, optimizer_settings
+from train.core.replay import Replay
 from train.data.pack import resolve_pack
 from train.data.prompt_file import spread
 from train.data.regen_openai import check_backend_settings
 from train.data.sources import check_source
-from train.formats.init_from import detect_format
-from train.losses import LossSpec
-from train.optimizers import build_optimizer, optimizer_settings
-from train.replay import Replay
+from train.losses.divergences import LossSpec
+from train.run.init_from import detect_format
 
 
 def _named(where: str, check: Callable, *args, **kwargs):
@@ -100,7 +100,7 @@ def check_loss_and_optim(cfg: DictConfig) -> None:
 
 
 def check_decode(dec: DictConfig) -> None:
-    """The settings train/evaluate.py decodes with after every checkpoint."""
+    """The settings train/eval/evaluate.py decodes with after every checkpoint."""
     if not dec.k >= 1:
         raise ValueError(f"decode.k (draft tokens per round) must be >= 1, got {dec.k}")
     if not dec.temperatures:
@@ -177,7 +177,7 @@ def check_draft_decode(cfg: DictConfig) -> None:
 
 
 def check_replay(replay: DictConfig) -> None:
-    """The settings of on-policy replay rollouts (train/replay.py)."""
+    """The settings of on-policy replay rollouts (train/core/replay.py)."""
     args = OmegaConf.to_container(replay, resolve=True)
     del args["enabled"]
     # Replay's constructor checks its losses, ratio, every, num_prompts, batch_size, capacity
@@ -199,7 +199,7 @@ def check_replay(replay: DictConfig) -> None:
 def check_decode_context(target: Target, dec: DictConfig, eval_prompts: list[dict]) -> None:
     """After the target and the data are loaded, before any training: the longest prompt the
     evaluation decodes plus decode.max_new_tokens must fit the target's context window."""
-    prompts = spread(eval_prompts, dec.get("num_prompts"))  # those train/eval_plan.py decodes
+    prompts = spread(eval_prompts, dec.get("num_prompts"))  # those train/eval/plan.py decodes
     if not prompts:
         return
     longest, new = max(len(p["input_ids"]) for p in prompts), int(dec.max_new_tokens)

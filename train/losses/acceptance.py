@@ -5,7 +5,7 @@ what the loss sees: p is the target's FULL-vocabulary distribution after the dec
 temperature / top-k / top-p, and with a reduced draft vocabulary the sum runs over the draft
 ids with that un-renormalised p (a token outside the draft vocabulary is always rejected).
 `sampling_cutoffs` stands for that p with two numbers per position; `accept_rows` is the
-per-position sum of min(p, q), shared with the TV family of train/losses.py; `simulated_tau`
+per-position sum of min(p, q), shared with the TV family of train/losses/divergences.py; `simulated_tau`
 turns per-offset acceptance into tokens per verify forward. The losses share `check_logits`
 and `DEFAULT_CHUNK` with the proxies.
 """

@@ -1,4 +1,4 @@
-"""Peak memory per phase of a run, measured: what train/memory_plan.py's phase lines are
+"""Peak memory per phase of a run, measured: what train/run/memory_plan.py's phase lines are
 checked against (summary.json `memory.phases`).
 
 A process's peak RSS (`VmHWM`) only grows, so one figure says nothing of which phase set
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from train.memory_plan import process_memory
+from train.run.memory_plan import process_memory
 
 
 def reset_peak_rss() -> bool:

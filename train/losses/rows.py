@@ -1,7 +1,7 @@
-"""The pieces every distillation loss is built from (train/losses.py, train/loss_family.py):
+"""The pieces every distillation loss is built from (train/losses/divergences.py, train/losses/family.py):
 per-row divergences between draft and target logits, the decoder's alpha per row, and the
 chunked, masked reduction over positions with activation checkpointing (the memory note of
-train/losses.py's docstring). A `*_rows` function maps a chunk of rows [n, V] to [n]."""
+train/losses/divergences.py's docstring). A `*_rows` function maps a chunk of rows [n, V] to [n]."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from decoding.drafter import Sampling
-from train.acceptance import accept_rows
+from train.losses.acceptance import accept_rows
 
 
 def log_probs(logits: Tensor, temperature: float) -> Tensor:

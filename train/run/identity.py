@@ -16,7 +16,7 @@ current one) and the overrides that match:
                        prepared: the draft, the target (weights, chat template, dtype), the
                        process count, and every setting of the run's course but the free
                        ones (RESUME_FREE) and those a resumed run continues (RESUME_CONTINUED)
-  draft.init_from      `init_differences` (train/formats/init_from.py): the draft and the
+  draft.init_from      `init_differences` (train/run/init_from.py): the draft and the
                        target's weights; the message says what is free to change (FREE_ON_INIT)
   scripts/evaluate.py  `evaluate_differences`: the draft (the checkpoint's draft.yaml builds
                        it, so an override of draft.* would be ignored), the target's weights
@@ -39,8 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from models.target import Target
+from train.core.schedule import schedule_settings
 from train.data.chat import resolve_chat_template
-from train.schedule import schedule_settings
 
 IDENTITY_FILE = "identity.json"
 FORMAT = 1
@@ -81,7 +81,7 @@ class Resumed:
     """What a resumed run continues from (trainer_state.pt) and what it was told."""
 
     rows_consumed: int
-    schedule: dict  # train/schedule.py: schedule_settings, as the run started
+    schedule: dict  # train/core/schedule.py: schedule_settings, as the run started
     notes: list[str] = field(default_factory=list)
     # The dtype the target ran in: a target.dtype=auto run keeps it instead of measuring again
     # (another verdict would change the features the draft reads mid-run).
@@ -292,7 +292,7 @@ def check_resume(
 ) -> Resumed:
     """Refuse (ValueError) a resume that would not continue the run of checkpoint `ckpt`;
     else what it continues from, with a note per changed RESUME_CONTINUED setting.
-    `strategy`: this run's (train/strategy.py); FSDP and the others save the optimizer
+    `strategy`: this run's (train/parallel/strategy.py); FSDP and the others save the optimizer
     differently."""
     saved_cfg = saved_config(ckpt) or {}
     identity = read_identity(ckpt)

@@ -1,7 +1,7 @@
 """On-policy replay of the draft's own rollouts (Draft-OPD style), for every draft kind.
 
 Every `every` optimizer steps the current draft decodes training prompts in the shared
-decoder; train/rollouts.py records the accepted and first-rejected positions of each round
+decoder; train/core/rollouts.py records the accepted and first-rejected positions of each round
 and keeps the rollouts in a buffer. Here a replay batch of them is trained on: the frozen
 target recomputes its distribution at the recorded positions (the batch goes through the
 same target forward as offline data, which head drafts need anyway for their features).
@@ -20,7 +20,7 @@ Which draft logits are trained at a replay position (one offset per position):
   the last offset at its own anchor: the teacher-forced version of the recursive step.
 
 Losses: `accepted_loss` (default forward KL) on accepted positions, `rejected_loss`
-(default reverse KL) on first-rejected positions, any of train.losses.LOSSES ("ce" =
+(default reverse KL) on first-rejected positions, any of train.losses.divergences.LOSSES ("ce" =
 the target's argmax as label), weighted by position_decay ** (i - 1), the rejected
 stream by `rejected_weight`, normalised by the replay batch's position count. The step's
 loss is (1 - ratio) * offline + ratio * replay once the buffer holds a rollout. Auxiliary
@@ -43,12 +43,11 @@ from torch import Tensor
 
 from decoding.drafter import Sampling
 from models.dtype_choice import choose_dtype, time_forward
-from models.dtypes import resolve_dtype
+from models.dtypes import draft_decode_copy, resolve_dtype
 from models.protocol import DraftOutput
-from models.target import Target
-from train.eval_plan import decode_copy, draft_decode_copy
-from train.losses import LOSSES, LossSpec
-from train.rollouts import ReplayBuffer, Rollout, prompt_prefix, rollout
+from models.target import Target, decode_copy
+from train.core.rollouts import ReplayBuffer, Rollout, prompt_prefix, rollout
+from train.losses.divergences import LOSSES, LossSpec
 
 
 def make_batch(
@@ -228,7 +227,7 @@ class Replay:
 
     def _rollout_models(self, target: Target, draft: torch.nn.Module):
         """The target (a copy only when the dtype differs) and a COPY of the draft, in the
-        rollout dtype with float32 rotary frequencies (train/eval_plan.py): drafters may
+        rollout dtype with float32 rotary frequencies (train/eval/plan.py): drafters may
         freeze or convert the module they wrap (DraftLMDrafter sets requires_grad=False),
         which must not touch the trained one."""
         if self.dtype is None:

@@ -18,7 +18,7 @@ Medusa output layers: the Medusa repository trains one copy of the target's lm_h
 Heads with `head_init=copy` load them as they are; `head_init=shared` heads only when each one
 IS the target's lm_head (else the error says to set head_init=copy).
 
-Settings no tensor shows: a draftlab checkpoint's identity.json (train/identity.py) is compared
+Settings no tensor shows: a draftlab checkpoint's identity.json (train/run/identity.py) is compared
 with the draft the config builds (draft kind, every draft.model setting but the fresh-start
 ones, the taps resolved) and with the target's weights, and every difference is refused in
 one message that says which settings are free to change; the EAGLE exports' recorded taps and
@@ -45,7 +45,7 @@ from models.draft_lm import DraftLM
 from models.eagle import EagleDraft
 from models.medusa import MedusaHeads
 from models.target import Target
-from train.checkpoint import PREFIX, latest_checkpoint, load_tensors
+from train.core.checkpoint import PREFIX, latest_checkpoint, load_tensors
 from train.formats.eagle import norm_flags
 from train.formats.eagle_read import in_tap_order, read_eagle_export
 from train.formats.export import (
@@ -55,7 +55,7 @@ from train.formats.export import (
     medusa_keys,
     vllm_medusa_keys,
 )
-from train.identity import FREE_ON_INIT, init_differences, refusal, target_differences
+from train.run.identity import FREE_ON_INIT, init_differences, refusal, target_differences
 
 FORMATS = ("ours", "hf", "medusa", "vllm-medusa", "speculators", "eagle")
 LOOKED_FOR = (

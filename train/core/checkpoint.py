@@ -6,7 +6,7 @@ Layout of `<run_dir>/checkpoints/step_00000100/`:
     config.yaml         the resolved run config it was trained with (scripts/evaluate.py reads it,
                         so a copied checkpoint folder evaluates on its own)
     identity.json       the settings that shape the draft's computation and the target's
-                        identity (train/identity.py), compared on resume, init_from, evaluate
+                        identity (train/run/identity.py), compared on resume, init_from, evaluate
     trainer_state.pt    step, rows consumed, optimizer, LR scheduler and the settings of its
                         schedule, RNG states of every rank
     meta.json           step, loss, training seconds (for humans, notebooks, curves)
@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.target import Target
-from train.run_files import out_of_space
+from train.disk import out_of_space
 
 CKPT_SUBDIR = "checkpoints"
 PREFIX = "step_"
@@ -133,7 +133,7 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `step` atomically, then keep only the newest `keep_last`.
     `config_yaml`: the resolved run config, saved beside the weights; `identity`: what
-    train/identity.py compares (identity.json)."""
+    train/run/identity.py compares (identity.json)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -342,9 +342,9 @@ def trainer_state(
     strategy: str = "single",
 ) -> dict:
     """What a resumed run needs to continue exactly: the step and data position (rows of the
-    seeded stream consumed: train/schedule.py), optimizer state (`strategy` "fsdp": the full
-    state keyed by parameter name, train/strategy.py) and LR scheduler with the settings of
-    its schedule (train/schedule.py: schedule_settings), every rank's RNG states and replay
+    seeded stream consumed: train/core/schedule.py), optimizer state (`strategy` "fsdp": the full
+    state keyed by parameter name, train/parallel/strategy.py) and LR scheduler with the settings of
+    its schedule (train/core/schedule.py: schedule_settings), every rank's RNG states and replay
     buffers, and the training seconds spent (a time budget's clock)."""
     return {
         "step": step,
@@ -365,14 +365,14 @@ def restore_trainer_state(
     draft: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    replay,  # train.replay.Replay | None
+    replay,  # train.core.replay.Replay | None
     rank: int,
     world_size: int,
     sharded: bool = False,
 ) -> tuple[int, float]:
     """Load checkpoint `path` into the draft (strict), optimizer, scheduler, this rank's RNG
     and replay buffer. -> (step, training seconds spent). `sharded`: the draft is FSDP-sharded
-    (train/strategy.py); every rank loads the full state and keeps its own shard."""
+    (train/parallel/strategy.py); every rank loads the full state and keeps its own shard."""
     draft_state, _, state = load_checkpoint(path)
     if state["world_size"] != world_size:
         raise ValueError(

@@ -3,14 +3,9 @@
 - `check_run_dir`: a second run into a directory that already holds a run's records is
   refused unless it resumes (resume=true) or starts afresh (overwrite=true), so the records
   of two runs never mix in one metrics.jsonl. (A directory with checkpoints is refused by
-  train/checkpoint.py: resume_checkpoint.)
+  train/core/checkpoint.py: resume_checkpoint.)
 - `clear_run`: what overwrite=true deletes, called once the new run's checks have passed: a
   refused start leaves the old run as it was.
-- `out_of_space`: what a write that ran out of space says (a full disk, a quota, a file
-  size limit): what was not written, that nothing of it is left, what to do.
-- `drop_dead_writers`: what writers killed mid-write left beside their output (their pid gone).
-- `write_atomic`: a temporary file beside the target, fsync'ed, renamed over it; Ctrl-C or a
-  crash leaves the old file or the new one, never a part of either.
 - `write_eval_prompts` / `read_eval_prompts`: the run's held-out eval prompts (token ids
   included) with the data settings that chose them, so scripts/evaluate.py decodes them
   without preparing the data again (which may regenerate the whole training set).
@@ -25,16 +20,15 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
-import os
-import re
 import shutil
 import warnings
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+
+from train.disk import write_atomic
 
 # What a run writes into its directory besides checkpoints/ (a run's records).
 RECORDS = ("metrics.jsonl", "summary.json", "config.yaml")
@@ -45,7 +39,7 @@ NOT_EVAL_SETTINGS = ("progress", "cache_dir", "max_new_tokens", "temperature", "
                      "max_failed_share", "num_reference", "num_raw_chunks", "regenerate_turns",
                      "bad_rows", "num_proc")  # fmt: skip
 THIRD_PARTY_LOG = "third_party.log"
-PROJECT = str(Path(__file__).resolve().parents[1])  # warnings from here stay on the console
+PROJECT = str(Path(__file__).resolve().parents[2])  # warnings from here stay on the console
 
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -69,55 +63,6 @@ def clear_run(run_dir: Path) -> None:
     for path in [run_dir / "metrics.jsonl", run_dir / "summary.json",
                  *run_dir.glob("config.resume-*.yaml")]:  # fmt: skip
         path.unlink(missing_ok=True)
-
-
-OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def out_of_space(err: BaseException, what: str, where: Path, fix: str) -> OSError | None:
-    """The error to raise for `err` when it is a write that ran out of space (`what` not
-    written into `where`, its partial files removed by the caller; `fix`: what to do next),
-    else None (raise `err` itself)."""
-    code = err.errno if isinstance(err, OSError) else None
-    if code is None:  # safetensors' Rust writer: "I/O error: ... (os error 28)"
-        found = re.search(r"\(os error (\d+)\)", str(err))
-        code = int(found.group(1)) if found else None
-    if code not in OUT_OF_SPACE:
-        return None
-    return OSError(
-        code,
-        f"{what} not written: {where} ran out of space ({os.strerror(code)}); nothing of it "
-        f"is left. {fix}",
-    )
-
-
-def drop_dead_writers(parent: Path, prefix: str) -> None:
-    """Remove what killed writers left in `parent`: entries named `prefix` + a pid (+ "-..."),
-    `prefix` naming this host, whose process is gone; a live process's is left alone."""
-    for stale in parent.glob(f"{prefix}*"):
-        pid = stale.name.removeprefix(prefix).split("-")[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(stale, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """`path` holds `text` whole, or what it held before (Ctrl-C, a crash, a full disk)."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _eval_settings(data: dict) -> dict:

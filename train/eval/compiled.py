@@ -26,7 +26,7 @@ from models.target import Target
 
 @dataclass
 class DecodeCopies:
-    """What train/evaluate.py: evaluate_checkpoint keeps for a run's next checkpoint."""
+    """What train/eval/evaluate.py: evaluate_checkpoint keeps for a run's next checkpoint."""
 
     target: Target  # the frozen target in the decoding dtype
     dtypes: dict  # decode.dtype's choice and the fastest AR's (models/dtype_choice.py)

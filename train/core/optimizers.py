@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 OPTIMIZERS = ("adamw", "muon")
-SCHEDULE_KEYS = ("warmup_steps", "min_lr_ratio")  # train/schedule.py's, not the optimizer's
+SCHEDULE_KEYS = ("warmup_steps", "min_lr_ratio")  # train/core/schedule.py's, not the optimizer's
 # 2-D weights that stay with AdamW: embeddings, codebooks and vocabulary heads (speculators'
 # _ADAMW_NAME_HINTS, after Keller Jordan's Muon).
 ADAMW_NAME_HINTS = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")
@@ -85,7 +85,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def optimizer_settings(optim: Mapping[str, Any]) -> dict[str, Any]:
     """conf/optim/*.yaml -> build_optimizer's keyword arguments (the schedule's keys left
-    to train/schedule.py). A key neither uses, or a Muon key without optim=muon, is refused."""
+    to train/core/schedule.py). A key neither uses, or a Muon key without optim=muon, is refused."""
     settings = {k: v for k, v in dict(optim).items() if k not in SCHEDULE_KEYS}
     name = settings.get("name", "adamw")
     if name not in OPTIMIZERS:

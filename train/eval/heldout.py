@@ -1,5 +1,5 @@
 """The held-out acceptance proxy: a learning curve at every checkpoint for seconds, where a
-decode evaluation (train/evaluate.py) costs minutes on a CPU.
+decode evaluation (train/eval/evaluate.py) costs minutes on a CPU.
 
 The rows are the eval prompts answered by the target itself, greedily, decode.max_new_tokens
 long: the text a greedy decode of those prompts produces (up to dtype rounding), regenerated
@@ -8,7 +8,7 @@ held out from training by source item (train/data/prepare.py), so the draft neve
 them.
 
 At each checkpoint `HeldOut.record` runs the draft over those rows in eval mode without
-gradients and measures what a training step measures (train/step.py: offset_losses, in the
+gradients and measures what a training step measures (train/core/step.py: offset_losses, in the
 step's autocast): α and top-1 per offset, simulated τ greedy and at every T > 0 decode
 sampling. The training records' proxy is taken on rows the draft trains on, pass after pass,
 and rises as the draft memorises them; this one is taken on text it has never seen, as the
@@ -17,7 +17,7 @@ decoder's evaluation is.
 The target's taps and last hidden state for the rows are computed once, at the first
 record, and kept in memory ((taps + 1) x hidden_size x 4 bytes per token: ~46 MB for 24
 rows of ~200 tokens on the embedded target); each record rebuilds the logits from them with
-the target's `head_logits`, as the feature cache does (train/feature_cache.py).
+the target's `head_logits`, as the feature cache does (train/core/feature_cache.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import torch
 from torch import Tensor
 
 from models.target import Target, TargetOutput
+from train.core.step import StepSetup, StepStats, offset_losses
+from train.core.step_stats import StepWindow, sampling_tag
 from train.data.chat import shift_mask
 from train.data.prepare import collate
 from train.data.regenerate import regenerate
-from train.ranks import Ranks
+from train.parallel.ranks import Ranks
 from train.report.runs import HELDOUT_PREFIX
-from train.step import StepSetup, StepStats, offset_losses
-from train.step_stats import StepWindow, sampling_tag
 
 PREFIX = HELDOUT_PREFIX  # the record's keys, apart from those of train records in W&B's log
 

@@ -1,4 +1,4 @@
-"""What an evaluation decodes, decided before it decodes (train/evaluate.py decodes it).
+"""What an evaluation decodes, decided before it decodes (train/eval/evaluate.py decodes it).
 
 `plan_checkpoint` makes every decision of one checkpoint's evaluation, in this order, and
 records each (summary.json `dtypes`):
@@ -14,7 +14,7 @@ records each (summary.json `dtypes`):
    measured once per machine and cached (models/dtype_choice.py); the copies keep float32
    rotary frequencies (models.dtypes.cast_keep_rotary: a bare `.to(bfloat16)` rounds
    inv_freq and decodes another target than the one trained on).
-2. **Path** (`decode.compile`, train/eval_compile.py): false = eager; only = the compiled
+2. **Path** (`decode.compile`, train/eval/compiled.py): false = eager; only = the compiled
    decode is the evaluation; true = that, and the eager speculative decode beside it; auto =
    the faster verify forward, compiled or eager, where compiling is repaid within this
    evaluation (`compile_choice`; a CPU without a record decodes eagerly, `only` records). The
@@ -37,7 +37,6 @@ With several processes rank 0 decides and every rank follows its verdicts (`copi
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,11 +55,12 @@ from decoding.timing import compiled_forward_seconds
 from decoding.tree import TreeSpec
 from models import dtype_choice
 from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
-from models.dtypes import cast_keep_rotary, resolve_dtype
+from models.dtypes import draft_decode_copy, resolve_dtype
 from models.few_rows import choose_layouts, few_rows_products, time_in_layout
-from models.target import Target
+from models.target import Target, decode_copy
+from train.core.step_stats import decode_samplings
 from train.data.prompt_file import ood_prompts, spread
-from train.eval_compile import (
+from train.eval.compiled import (
     DecodeCopies,
     adapts_target,
     compile_choice,
@@ -69,15 +69,14 @@ from train.eval_compile import (
     compiled_verify_timed,
     describe_compile,
 )
-from train.ranks import Ranks
-from train.step_stats import decode_samplings
+from train.parallel.ranks import Ranks
 
 PROXY_LAYERS = 2  # the target's first layers a compiled dtype verdict is timed on
 
 
 @dataclass
 class CheckpointPlan:
-    """What `train.evaluate.evaluate_checkpoint` decodes at one checkpoint."""
+    """What `train.eval.evaluate.evaluate_checkpoint` decodes at one checkpoint."""
 
     copies: DecodeCopies  # kept for the run's next checkpoint
     samplings: list[tuple[str, Sampling]]  # eval tag ("greedy", "T1") -> sampling, headline first
@@ -193,7 +192,7 @@ def choose_linear_layouts(
     """decode.linear_layout for the eager copies a CPU decodes with (models/few_rows.py): the
     decoding copy where the speculative decode runs eagerly, the fastest eager AR's copy
     always, unless it is the copy the compiled target wraps (its graphs were traced plain).
-    Measured by rank 0 once per run, every rank swaps; train/evaluate.py swaps back."""
+    Measured by rank 0 once per run, every rank swaps; train/eval/evaluate.py swaps back."""
     layout = str(dec.get("linear_layout", "plain"))  # conf/decode/chain.yaml: auto
     if layout not in ("auto", "plain", "transposed"):
         raise ValueError(f"decode.linear_layout={layout!r}: use auto, plain or transposed")
@@ -230,35 +229,6 @@ def typical_shapes(
     cached = max(32, 32 * round((prompt + dec.max_new_tokens / 2) / 32))
     width = tree.size + 1 if tree is not None else int(dec.k) + 1
     return prompt, cached, width
-
-
-def decode_copy(target: Target, dtype: torch.dtype) -> Target:
-    """The target in the decoding dtype: the training target itself when it already has
-    that dtype, else a frozen copy with float32 rotary frequencies (the training target is
-    untouched)."""
-    if target.dtype == dtype:
-        return target
-    model = cast_keep_rotary(copy.deepcopy(target.model), dtype)
-    return Target(model, target.tokenizer, name=target.name)
-
-
-def draft_decode_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of the draft in the decoding dtype with float32 rotary frequencies (drafters
-    may freeze or convert the module they wrap; the trained draft is untouched). Medusa-2's
-    adapted backbone (the target's weights with LoRA beside them) is neither copied nor
-    cast: the copy refers to it, and its `decoding_target` reads the LoRA from it."""
-    backbone = getattr(draft, "adapted", None)
-    if backbone is None:
-        return cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
-    draft.adapted = None
-    try:
-        copy_ = cast_keep_rotary(copy.deepcopy(draft), dtype).eval()
-    finally:
-        draft.adapted = backbone
-    # a plain attribute, not a submodule: nothing done to the copy (.to, .eval, freezing)
-    # reaches the training draft's LoRA
-    object.__setattr__(copy_, "adapted", backbone)
-    return copy_
 
 
 def decode_copies(

@@ -27,7 +27,7 @@ never reads a stale cache. The pass writes into a temporary directory renamed at
 is complete, and one that fails the checks in `_open` (missing or short shard, wrong shapes)
 is deleted and rebuilt, never read.
 
-Several processes (`ranks`, train/ranks.py) share the pass: the batches are those of one
+Several processes (`ranks`, train/parallel/ranks.py) share the pass: the batches are those of one
 process and batch b is run by rank b mod world (so every row gets the bits one process
 gives it), each rank writes its part (`.part-<key>-<rank>of<world>`, renamed when complete;
 a restarted rank whose part is complete does not run it again), and rank 0 moves the parts'
@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 from models.target import Target, TargetOutput
 from train.data.prepare import collate
 from train.data.regenerate import default_cache_root
-from train.ranks import Ranks
+from train.parallel.ranks import Ranks
 
 FORMAT = 1  # bump when the layout changes: old caches then get a new key
 

@@ -110,7 +110,7 @@ class MemoryPlan:
         return fixed + max(act or 0, self.evaluation_bytes, self.heldout_bytes)
 
     def phase_bytes(self) -> dict[str, int]:
-        """The most one rank holds in each phase of a run (train/phase_memory.py's names)."""
+        """The most one rank holds in each phase of a run (train/run/phase_memory.py's names)."""
         state = self.draft_bytes + self.gradient_bytes + self.optimizer_bytes
         loaded = self.baseline_bytes + self.target_bytes
         return {

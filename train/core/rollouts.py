@@ -1,4 +1,4 @@
-"""The draft's own rollouts for on-policy replay (train/replay.py), and the buffer keeping them.
+"""The draft's own rollouts for on-policy replay (train/core/replay.py), and the buffer keeping them.
 
 The current draft decodes training prompts in the shared decoder (`decoding.spec.generate`).
 The target verifies every draft, so the continuation is the target's own output (lossless):
