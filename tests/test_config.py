@@ -1,5 +1,6 @@
 """Every experiment composes; every `_target_` resolves; unknown experiments fail helpfully."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf
 
 import train.run.resolvers  # noqa: F401  (registers ${safe_dirname:}, as train.py does)
-from train.losses.divergences import LOSSES, loss_options
+from train.losses.divergences.divergences import LOSSES, loss_options
 from train.run.resolvers import MAX_DIRNAME
 from train.run.settings import check_settings
 
@@ -162,3 +163,46 @@ def test_long_run_dir_names_are_cut_with_a_hash():
     assert names[0].startswith("data.source=_data_xxx")
     assert names[0] != names[1], "overrides that differ only past the cut still differ"
     assert names[0] == names[2], "the same overrides always give the same name (every rank)"
+
+
+MAX_COMMENT_BLOCK = 3  # recipes say what (and briefly why); measurements live in docs/results.md
+
+
+def _comment_blocks(lines):
+    """(first line number, length) of every comment block.
+
+    A block is a maximal run of whole-line comments, plus the line before it when that line
+    has a trailing comment whose '#' sits at the run's column (a continued inline comment).
+    A first line `# @package _global_` belongs to no block.
+    """
+    start = 1 if lines and lines[0].strip() == "# @package _global_" else 0
+    i = start
+    while i < len(lines):
+        if not lines[i].lstrip().startswith("#"):
+            i += 1
+            continue
+        first = i
+        while i < len(lines) and lines[i].lstrip().startswith("#"):
+            i += 1
+        length = i - first
+        column = len(lines[first]) - len(lines[first].lstrip())
+        trailing = re.search(r"\s#", lines[first - 1]) if first > start else None
+        if trailing and trailing.start() + 1 == column:
+            yield first, length + 1  # 1-based number of the value line
+        else:
+            yield first + 1, length
+
+
+def test_no_yaml_comment_block_is_longer_than_three_lines():
+    # A config comment says what a value is and, in two lines at most, why (pointing at the
+    # docs/results.md row that measured it); tables, dated figures and history belong in docs.
+    long_blocks = [
+        f"{path.relative_to(ROOT)}:{line} ({length} lines)"
+        for path in sorted(CONF.rglob("*.yaml"))
+        for line, length in _comment_blocks(path.read_text().splitlines())
+        if length > MAX_COMMENT_BLOCK
+    ]
+    assert not long_blocks, (
+        f"{len(long_blocks)} comment blocks longer than {MAX_COMMENT_BLOCK} lines "
+        "(move figures and history to docs/results.md):\n" + "\n".join(long_blocks)
+    )
