@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from models.dtype_choice import machine_key
-from train.losses.divergences.divergences import lk_lambda
-from train.losses.divergences.rows import alpha_rows, forward_kl_rows, masked_reduce
+from train.losses.divergences import lk_lambda
+from train.losses.rows import alpha_rows, forward_kl_rows, masked_reduce
 
 
 def _autograd_rows(draft, target, log_norm, temperature: float, eta: float):  # noqa: ANN001

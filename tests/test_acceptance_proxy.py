@@ -7,7 +7,7 @@ import torch
 
 from decoding.drafter import Sampling
 from decoding.verify import sampling_probs
-from train.losses.divergences.acceptance import (
+from train.losses.acceptance import (
     acceptance_proxy,
     sampling_cutoffs,
     simulated_tau,

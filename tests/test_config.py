@@ -12,7 +12,7 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf
 
 import train.run.resolvers  # noqa: F401  (registers ${safe_dirname:}, as train.py does)
-from train.losses.divergences.divergences import LOSSES, loss_options
+from train.losses.divergences import LOSSES, loss_options
 from train.run.resolvers import MAX_DIRNAME
 from train.run.settings import check_settings
 

@@ -12,7 +12,7 @@ from models.eagle import EagleDraft, from_target
 from models.protocol import DraftOutput
 from models.target import TargetOutput
 from models.target_loaders import build_tiny_random
-from train.losses.divergences.divergences import forward_kl
+from train.losses.divergences import forward_kl
 
 torch.set_num_threads(1)
 

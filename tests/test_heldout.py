@@ -11,8 +11,8 @@ from tests.helpers import chat_ids, compose_debug, metrics_records
 from train.core.step import StepSetup
 from train.eval.heldout import PREFIX, HeldOut, heldout_rows
 from train.loop import run
-from train.losses.divergences.acceptance import simulated_tau
-from train.losses.divergences.divergences import LossSpec
+from train.losses.acceptance import simulated_tau
+from train.losses.divergences import LossSpec
 from train.report.plots import plot_learning_curve
 from train.report.runs import Group, load_run
 

@@ -21,7 +21,7 @@ from train.core.schedule import lr_lambda
 from train.core.step import StepSetup, StepStats, offset_losses
 from train.data.prepare import collate, prepare_data
 from train.loop import TrainingDiverged, run
-from train.losses.divergences.divergences import LOSSES, Loss
+from train.losses.divergences import LOSSES, Loss
 from train.run.setup import preflight
 
 ROOT = Path(__file__).resolve().parents[1]

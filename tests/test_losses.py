@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from decoding.drafter import Sampling
-from train.losses.divergences.acceptance import acceptance_proxy, sampling_cutoffs
-from train.losses.divergences.divergences import (
+from train.losses.acceptance import acceptance_proxy, sampling_cutoffs
+from train.losses.divergences import (
     LOSSES,
     ce_tv_mix,
     cross_entropy,

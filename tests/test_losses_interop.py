@@ -17,7 +17,7 @@ from models.protocol import DraftOutput
 from tests.helpers import compose_debug, metrics_records
 from train.core.optimizers import MuonWithAdamW, build_optimizer, split_for_muon
 from train.core.step import StepSetup, StepStats, offset_losses
-from train.losses.divergences.divergences import (
+from train.losses.divergences import (
     LOSSES,
     LossSpec,
     cross_entropy,
@@ -25,7 +25,7 @@ from train.losses.divergences.divergences import (
     lk_lambda,
     reverse_kl,
 )
-from train.losses.divergences.family import dpace_chain_weights, dpace_weights
+from train.losses.family import dpace_chain_weights, dpace_weights
 from train.run.settings import check_settings
 
 

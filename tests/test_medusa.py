@@ -16,7 +16,7 @@ from models.protocol import DraftModel
 from models.target import Target
 from models.target_loaders import build_tiny_random
 from train.core.step import adapted_lm_kl, aux_loss
-from train.losses.divergences.divergences import forward_kl
+from train.losses.divergences import forward_kl
 
 
 def _ids(vocab: int, shape=(2, 12), seed=0) -> torch.Tensor:

@@ -29,7 +29,7 @@ from tests.helpers import (
 )
 from train.core.replay import Replay, make_batch, replay_loss
 from train.core.rollouts import ReplayBuffer, Rollout, prompt_prefix, record_rounds, rollout
-from train.losses.divergences.divergences import LossSpec
+from train.losses.divergences import LossSpec
 
 GREEDY = Sampling()
 

@@ -10,8 +10,8 @@ from decoding.drafter import Sampling
 from models.protocol import DraftOutput
 from train.core.step import StepSetup, StepStats, offset_losses
 from train.core.step_stats import StepWindow
-from train.losses.divergences.acceptance import acceptance_proxy, sampling_cutoffs, simulated_tau
-from train.losses.divergences.divergences import ce_tv_mix, forward_kl, lk_lambda
+from train.losses.acceptance import acceptance_proxy, sampling_cutoffs, simulated_tau
+from train.losses.divergences import ce_tv_mix, forward_kl, lk_lambda
 
 
 def _oov_step(mask_out_of_vocab: bool):

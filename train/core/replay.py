@@ -20,7 +20,7 @@ Which draft logits are trained at a replay position (one offset per position):
   the last offset at its own anchor: the teacher-forced version of the recursive step.
 
 Losses: `accepted_loss` (default forward KL) on accepted positions, `rejected_loss`
-(default reverse KL) on first-rejected positions, any of train.losses.divergences.divergences.LOSSES ("ce" =
+(default reverse KL) on first-rejected positions, any of train.losses.divergences.LOSSES ("ce" =
 the target's argmax as label), weighted by position_decay ** (i - 1), the rejected
 stream by `rejected_weight`, normalised by the replay batch's position count. The step's
 loss is (1 - ratio) * offline + ratio * replay once the buffer holds a rollout. Auxiliary
@@ -47,7 +47,7 @@ from models.dtypes import draft_decode_copy, resolve_dtype
 from models.protocol import DraftOutput
 from models.target import Target, decode_copy
 from train.core.rollouts import ReplayBuffer, Rollout, prompt_prefix, rollout
-from train.losses.divergences.divergences import LOSSES, LossSpec
+from train.losses.divergences import LOSSES, LossSpec
 
 
 def make_batch(

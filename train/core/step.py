@@ -49,8 +49,8 @@ from models.target import Target, TargetOutput
 from train.core.feature_cache import FeatureCache, cached_target_output
 from train.core.replay import Replay
 from train.core.step_stats import decode_samplings
-from train.losses.divergences.acceptance import acceptance_proxy, sampling_cutoffs, top1_agreement
-from train.losses.divergences.divergences import LossSpec, forward_kl
+from train.losses.acceptance import acceptance_proxy, sampling_cutoffs, top1_agreement
+from train.losses.divergences import LossSpec, forward_kl
 from train.parallel.strategy import gradient_sync
 
 

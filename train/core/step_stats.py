@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from decoding.drafter import Sampling
-from train.losses.divergences.acceptance import simulated_tau
+from train.losses.acceptance import simulated_tau
 
 
 def sampling_tag(sampling: Sampling) -> str:

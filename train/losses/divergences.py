@@ -44,8 +44,8 @@ from torch import Tensor
 
 from decoding.drafter import Sampling
 from train.losses.divergences import family
-from train.losses.divergences.acceptance import DEFAULT_CHUNK, acceptance_proxy, check_logits
-from train.losses.divergences.rows import (
+from train.losses.acceptance import DEFAULT_CHUNK, acceptance_proxy, check_logits
+from train.losses.rows import (
     alpha_rows,
     ce_rows,
     check_log_norm,

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from train.losses.divergences.acceptance import DEFAULT_CHUNK, check_logits
-from train.losses.divergences.rows import ce_rows, log_probs, masked_reduce
+from train.losses.acceptance import DEFAULT_CHUNK, check_logits
+from train.losses.rows import ce_rows, log_probs, masked_reduce
 
 NLA_EPS = 1e-5  # speculators' floor on alpha (losses/eager.py: _NLA_EPS)
 DEFAULT_MIX = ({"name": "kl", "weight": 0.5}, {"name": "tv", "weight": 0.5})  # conf/loss/mix.yaml

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from decoding.drafter import Sampling
-from train.losses.divergences.acceptance import accept_rows
+from train.losses.acceptance import accept_rows
 
 
 def log_probs(logits: Tensor, temperature: float) -> Tensor:

@@ -31,7 +31,7 @@ from train.data.pack import resolve_pack
 from train.data.prompt_file import spread
 from train.data.regen_openai import check_backend_settings
 from train.data.sources import check_source
-from train.losses.divergences.divergences import LossSpec
+from train.losses.divergences import LossSpec
 from train.run.init_from import detect_format
 
 
