@@ -150,3 +150,43 @@ def test_no_file_refers_outside_the_project():
         and any(ref in (ROOT / name).read_text(errors="ignore") for ref in OUTSIDE_REFS)
     ]
     assert not offenders, f"files that refer outside the project (a clone lacks it): {offenders}"
+
+
+# train/'s rooms, bottom to top: a module imports its own room's modules and lower rooms'
+# only (docs/design.md §1). disk.py and loop.py are rooms of one file; train/__init__.py
+# registers the config resolvers (run/resolvers.py) and is no room.
+ROOMS = ("disk", "parallel", "losses", "data", "report", "core", "formats", "eval", "run", "loop")
+TRAIN_FILES = [p for p in module_files("train") if p != ROOT / "train" / "__init__.py"]
+
+
+def room_of(name: str) -> str:
+    return name.split(".")[1] if name.count(".") >= 1 else ""
+
+
+@pytest.mark.parametrize("path", TRAIN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_train_rooms_import_one_way(path: Path):
+    room = room_of(module_name(path))
+    assert room in ROOMS, f"{path.relative_to(ROOT)} is in no room of {ROOMS}: put it in one"
+    upward = [
+        f"{path.relative_to(ROOT)}:{line} imports {name} (room {room_of(name)})"
+        for line, name, _ in imports(path)
+        if name.startswith("train.") and ROOMS.index(room_of(name)) > ROOMS.index(room)
+    ]
+    assert not upward, f"rooms import downward only ({' <- '.join(ROOMS)}): " + "; ".join(upward)
+
+
+def test_train_has_few_loose_files_and_design_names_every_file():
+    loose = sorted(p.name for p in (ROOT / "train").glob("*.py"))
+    assert len(loose) <= 10, f"train/ holds {len(loose)} loose files: {loose}; put them in rooms"
+    rows = {  # docs/design.md's table of rooms: "| `room/` | ... `file.py` ... |"
+        line.split("`")[1]: line
+        for line in (ROOT / "docs" / "design.md").read_text().splitlines()
+        if line.startswith("| `") and line.split("`")[1].endswith("/")
+    }
+    unnamed = [
+        str(p.relative_to(ROOT / "train"))
+        for p in TRAIN_FILES
+        if p.parent != ROOT / "train" and p.name != "__init__.py"
+        and f"`{p.name}`" not in rows.get(p.parent.name + "/", "")
+    ]  # fmt: skip
+    assert not unnamed, f"docs/design.md's table of train/'s rooms names no {unnamed}"

@@ -39,7 +39,6 @@ from decoding.metrics import (
     merge_decoded,
     summarize,
 )
-from models.few_rows import few_rows_products
 from models.target import Target
 from train.eval.compiled import DecodeCopies
 from train.eval.plan import CheckpointPlan, plan_checkpoint
@@ -75,7 +74,7 @@ def evaluate_checkpoint(
     result: dict = {"k": k, "num_prompts": len(plan.prompts), "ood_num_prompts": len(plan.ood),
                     "dtypes": plan.copies.dtypes, "decode_path": plan.path,
                     "passes": [p.name for p in plan.passes]}  # fmt: skip
-    headline = plan.samplings[0][0]
+    headline = plan.headline
     for tag, sampling in plan.samplings:
         kw = dict(
             k=k,
@@ -117,9 +116,7 @@ def evaluate_checkpoint(
         result["compiled_graphs"] = STATS.graphs - graphs
         # CUDA-graph recordings; None where this torch does not announce them
         result["compiled_cudagraphs"] = STATS.cudagraphs - recorded if counts_recordings() else None
-    for copy_ in (plan.copies.target, plan.copies.baseline):  # the plan's layout, for decoding
-        if copy_ is not None:  # alone: the target goes on training as it came
-            few_rows_products(copy_.model, False)
+    plan.release()
     return result, plan.copies
 
 

@@ -89,6 +89,18 @@ class CheckpointPlan:
     tree: TreeSpec | None
     max_new_tokens: int
 
+    @property
+    def headline(self) -> str:
+        """The sampling the summary's tau and speedup and the OOD decode are at."""
+        return self.samplings[0][0]
+
+    def release(self) -> None:
+        """After the decode: the decoding copies back in the target's own linear layout (the
+        few-rows layout is the plan's, for decoding only; the target goes on training)."""
+        for copy_ in (self.copies.target, self.copies.baseline):
+            if copy_ is not None:
+                few_rows_products(copy_.model, False)
+
 
 def plan_checkpoint(
     target: Target, draft: torch.nn.Module, eval_prompts: list[dict], cfg: DictConfig,
