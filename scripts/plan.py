@@ -33,8 +33,8 @@ from train.memory_plan import (
     format_plan,
     plan_for_run,
     planned_dtype,
-    process_memory,
 )
+from train.phase_memory import process_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 

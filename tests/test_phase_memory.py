@@ -5,8 +5,7 @@ import sys
 import pytest
 import torch
 
-from train.memory_plan import process_memory
-from train.phase_memory import PhaseMemory, reset_peak_rss
+from train.phase_memory import PhaseMemory, process_memory, reset_peak_rss
 
 MB = 2**20
 pytestmark = pytest.mark.skipif(

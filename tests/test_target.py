@@ -12,7 +12,7 @@ from models.dtype_choice import choose_target_dtype
 from models.target import Target
 from models.target_loaders import build_tiny_random, hf_target_config, load_hf_target
 from models.tiny_tokenizer import build_char_tokenizer
-from train.memory_plan import meta_target, parameter_counts
+from train.meta_forward import meta_target, parameter_counts
 
 
 def test_forward_matches_hf_and_returns_requested_layers(tiny_target: Target):

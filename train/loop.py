@@ -217,7 +217,7 @@ def train_run(cfg: DictConfig) -> dict:
     init_tracking(accelerator, cfg, run_dir)
     records = RunRecords.resumed(
         log.earlier, resume_from, rows_consumed=resumed.rows_consumed if resumed else 0,
-        schedule=sched, identity=run_identity(cfg, target, core), memory=memory,
+        schedule=sched, identity=run_identity(cfg, target, core),
     )  # fmt: skip
     window = StepWindow(len(offsets), proxy_tags(cfg.decode))
     rows_per_step = tc.batch_size * world * tc.grad_accum

@@ -28,7 +28,8 @@ from train.formats.init_from import init_draft_from
 from train.heldout import HeldOut, heldout_rows
 from train.identity import read_identity
 from train.machine import PROBE_TOKENS, target_dtype
-from train.memory_plan import MemoryPlan, check_fits, device_memory, plan_for_run, process_memory
+from train.memory_plan import MemoryPlan, check_fits, device_memory, plan_for_run
+from train.phase_memory import process_memory
 from train.ranks import Ranks, dist_timeout
 from train.replay import Replay
 from train.report.tracking import tracker
