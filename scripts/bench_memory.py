@@ -1,14 +1,15 @@
 """The memory plan against measured peaks, phase by phase, for the launches docs/memory.md
 quotes: one process, DDP and FSDP over two CPU ranks (FSDP also with gradient
 accumulation), each a short run of the flagship (the EAGLE-3 head on the embedded
-SmolLM2) with two checkpoints, the held-out proxy and an eager evaluation at each.
+SmolLM2) with two checkpoints, the held-out proxy and an eager evaluation at each; the
+one-process run regenerates 32 training rows (the others train on the shipped pack).
 
     python scripts/bench_memory.py --out docs/reports/memory_plan.json
     python scripts/bench_memory.py --summary runs/eagle_tv/.../summary.json   # add a run's
 
 Each run writes summary.json `memory` (train/loop.py): the plan's bytes per phase
 (train/run/memory_plan.py: MemoryPlan.phase_bytes) beside the main rank's measured peak RSS in
-that phase (train/run/phase_memory.py). Runs one at a time (each rank one thread); prints a
+that phase (train/phase_memory.py). Runs one at a time (each rank one thread); prints a
 table and writes JSON: per run its command, the plan and the peak per phase, and
 measured / plan. `--summary` adds finished runs (the README's first run) to the table.
 """
@@ -33,8 +34,10 @@ SHORT = [
     "decode.max_new_tokens=16", "decode.ood_num_prompts=2", "logger=none",
 ]  # fmt: skip
 
+REGENERATE = ["data.pack=null", "data.pack_val=0", "data.num_train=32"]  # the data phase answers
+
 LAUNCHES = {
-    "one process": ([sys.executable, "train.py"], []),
+    "one process, regenerating 32 rows": ([sys.executable, "train.py"], REGENERATE),
     "DDP, 2 ranks": (["accelerate", "ddp"], []),
     "FSDP, 2 ranks": (["accelerate", "fsdp"], []),
     "FSDP, 2 ranks, grad_accum 2": (["accelerate", "fsdp"], ["train.grad_accum=2"]),

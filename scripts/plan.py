@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from train.phase_memory import process_memory
 
 from models.target_loaders import target_config
 from train.run.memory_plan import (
@@ -33,7 +34,6 @@ from train.run.memory_plan import (
     format_plan,
     plan_for_run,
     planned_dtype,
-    process_memory,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from models import draft_lm, eagle, medusa, mtp
 from models.target_loaders import build_tiny_random
 from train.core.checkpoint import save_checkpoint, save_tensors
-from train.run import init_from
 from train.formats.export import export, load_run_draft
+from train.run import init_from
 from train.run.init_from import InitError, detect_format, init_draft_from
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,18 +11,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from train.run.meta_forward import activation_bytes, parameter_counts
 
 import train.run.setup
 from models.target_loaders import build_tiny_random, target_config
 from tests.helpers import compose_debug
 from train.loop import run
-from train.run.memory_plan import (
-    activation_bytes,
-    check_fits,
-    parameter_counts,
-    plan_for_run,
-    planned_dtype,
-)
+from train.run.memory_plan import check_fits, plan_for_run, planned_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = Path(__file__).parent / "llama31_8b"  # Llama-3.1-8B's published config.json only
@@ -133,3 +128,45 @@ def test_a_run_is_refused_before_the_target_loads(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="memory plan: .* per rank but test RAM is 0.00 GiB"):
         run(compose_debug(tmp_path / "run", f"data.cache_dir={tmp_path}/c"))
     assert not (tmp_path / "run").exists()
+
+
+def test_each_phase_holds_what_runs_in_it():
+    """The phases add what each holds: DDP its gradient buckets, FSDP the unsharded unit and
+    the checkpoint's gathered state, regeneration its K/V, an evaluation before the last step
+    its copies for the rest of the run, a compiled evaluation its graphs' weights."""
+    base = ("+experiment=eagle_tv", "target=hf", f"target.path={LLAMA_8B}", "data.pack=null",
+            "data.num_train=64", "train.time_budget_s=null", "train.steps=8")  # fmt: skip
+    one = plan_of(compose_train(*base, "train.ckpt_every=8"), "float32")
+    ddp = plan_of(compose_train(*base, "train.ckpt_every=8"), "float32", ranks=2)
+    fsdp = plan_of(compose_train(*base, "train.ckpt_every=8"), "float32", ranks=2, sharded=True)
+    early = plan_of(compose_train(*base, "train.ckpt_every=4", "train.eval_every=null"), "float32")
+    phases, draft = one.phase_bytes(), one.draft_trainable
+    assert ddp.phase_bytes()["training"] - phases["training"] == one.gradient_bytes == 4 * draft
+    assert ddp.phase_bytes()["evaluation"] == phases["evaluation"]
+    assert fsdp.gathered_bytes == 8 * draft and fsdp.checkpoint_bytes == 12 * draft
+    kept = fsdp.baseline_bytes + fsdp.target_bytes + fsdp.draft_bytes + fsdp.optimizer_bytes
+    assert fsdp.phase_bytes()["checkpoint"] - kept == fsdp.checkpoint_bytes
+    # the data phase answers 64 prompts in 64 slots: its K/V at least, 32 layers x 8 K/V heads
+    kv = 64 * (256 + 128) * 32 * 2 * 8 * 128 * 4
+    assert phases["data"] - (one.baseline_bytes + one.target_bytes) >= kv
+    assert plan_of(compose_train(*base, "data.num_train=0", "data.pack=builtin"),
+                   "float32").regeneration_bytes == 0  # fmt: skip
+    assert not one.evaluates_early and early.evaluates_early
+    held = early.phase_bytes()["training"] - phases["training"]
+    assert held == early.evaluation_bytes > 0
+    eager = plan_of(compose_train(*base, "train.ckpt_every=8", "decode.compile=false"), "float32")
+    assert one.compiled_bytes > 0 and eager.compiled_bytes == 0
+    assert one.evaluation_bytes - eager.evaluation_bytes == one.compiled_bytes
+    assert one.peak_bytes() == max(phases.values())
+
+
+def test_a_run_records_each_phase_beside_the_plan(tmp_path):
+    """summary.json memory.phases: every phase the run went through, measured, with the
+    plan's figure for it (train/phase_memory.py, MemoryPlan.phase_bytes)."""
+    summary = run(compose_train("+experiment=debug", f"run_dir={tmp_path}", "train.heldout_proxy=true"))  # fmt: skip
+    phases = summary["memory"]["phases"]
+    assert {"start-up", "data", "feature pass", "training", "checkpoint", "held-out proxy",
+            "evaluation"} <= set(phases)  # fmt: skip
+    for name, phase in phases.items():
+        assert phase["peak_rss_bytes"] > 0 and phase["plan_bytes"] > 0, name
+    assert summary["memory"]["peak_rss_bytes"] == max(p["peak_rss_bytes"] for p in phases.values())

@@ -1,12 +1,11 @@
-"""Peak RSS per phase (train/run/phase_memory.py): a phase's peak is its own, not an earlier one's."""
+"""Peak RSS per phase (train/phase_memory.py): a phase's peak is its own, not an earlier one's."""
 
 import sys
 
 import pytest
 import torch
 
-from train.run.memory_plan import process_memory
-from train.run.phase_memory import PhaseMemory, reset_peak_rss
+from train.phase_memory import PhaseMemory, process_memory, reset_peak_rss
 
 MB = 2**20
 pytestmark = pytest.mark.skipif(

@@ -42,6 +42,7 @@ from train.data.prompt_file import ood_prompts
 from train.disk import write_atomic
 from train.parallel.ranks import Ranks
 from train.parallel.strategy import check_processes, launch_strategy, shard, strategy_ran
+from train.phase_memory import PhaseMemory
 from train.report.tracking import RunLog, finish_tracking, init_tracking
 from train.run.files import (
     check_run_dir,
@@ -54,7 +55,6 @@ from train.run.identity import Resumed, check_resume, run_identity
 from train.run.init_from import check_init_from
 from train.run.machine import choose_autocast, share_threads
 from train.run.memory_plan import MemoryPlan
-from train.run.phase_memory import PhaseMemory
 from train.run.records import RunRecords, checkpoint_and_evaluate, evaluate_at, write_summary
 from train.run.settings import check_decode_context, check_settings
 from train.run.setup import (
@@ -85,7 +85,7 @@ def progress_bar(cfg: DictConfig, start_step: int, train_s: float, main: bool) -
 def measured_memory(plan: MemoryPlan, memory: PhaseMemory) -> dict:
     """The main rank's memory plan (train/run/memory_plan.py) beside what it measured: the
     process's peak RSS and, on CUDA, the peak memory torch allocated, each overall and per
-    phase (train/run/phase_memory.py), with the plan's figure for each phase."""
+    phase (train/phase_memory.py), with the plan's figure for each phase."""
     measured = memory.record()
     planned = plan.phase_bytes()
     for name, phase in measured["phases"].items():
@@ -217,7 +217,7 @@ def train_run(cfg: DictConfig) -> dict:
     init_tracking(accelerator, cfg, run_dir)
     records = RunRecords.resumed(
         log.earlier, resume_from, rows_consumed=resumed.rows_consumed if resumed else 0,
-        schedule=sched, identity=run_identity(cfg, target, core), memory=memory,
+        schedule=sched, identity=run_identity(cfg, target, core),
     )  # fmt: skip
     window = StepWindow(len(offsets), proxy_tags(cfg.decode))
     rows_per_step = tc.batch_size * world * tc.grad_accum

@@ -70,6 +70,7 @@ from train.eval.compiled import (
     describe_compile,
 )
 from train.parallel.ranks import Ranks
+from train.phase_memory import phase
 
 PROXY_LAYERS = 2  # the target's first layers a compiled dtype verdict is timed on
 
@@ -116,9 +117,10 @@ def plan_checkpoint(
     use_compile_cache(cache_dir)  # compiled code kept per machine
     if target_eval is None:  # rank 0 chooses the dtypes, every rank decodes in them
         if ranks.main:
-            target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir)
-            prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
-            choice = draft_dtype_choice(draft, target_eval.target, dec, tree, prompt, cache_dir)
+            with phase("evaluation: copies and dtypes"):  # each dtype timed on a copy
+                target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir)
+                prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
+                choice = draft_dtype_choice(draft, target_eval.target, dec, tree, prompt, cache_dir)  # fmt: skip
             if choice.source != "explicit":
                 print(f"dtype {choice.describe()}", flush=True)
             target_eval.dtypes["draft"] = choice.as_record()
@@ -144,23 +146,26 @@ def plan_checkpoint(
     samplings = sorted(decode_samplings(dec).items(), key=lambda item: item[0] != "greedy")
     setting = compile_setting(dec)
     max_len = max(p.shape[1] for p in prompts + ood) + max_new_tokens
-    if setting in ("auto", "only") and "compile" not in target_eval.dtypes:
-        # what building the compiled copies cost, by the clock: graphs already compiled in
-        # this process (dynamo reuses them) would make a count of fresh compiles read zero
-        started = time.perf_counter()
-        if setting == "only":  # every rank compiles at once; rank 0 then times both paths
-            compiled_decoding(target_eval, draft_eval, decode_target, drafter, dec, tree, max_len)
-        built_s = time.perf_counter() - started
-        choice = None  # decided at a run's first evaluation by rank 0, then kept
-        if ranks.main:
-            # at most: the ARs and one verify per new token, at every sampling
-            forwards = max_new_tokens * (3 * len(samplings) * len(prompts) + len(ood))
-            choice = compile_choice(
-                target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
-                [p.shape[1] for p in prompts], cache_dir, forwards, built_s,
-            ).as_record()  # fmt: skip
-            print(describe_compile(choice, setting), flush=True)
-        target_eval.dtypes["compile"] = ranks.broadcast(choice)
+    with phase("evaluation: compile"):  # the graphs, and the verdict's timing
+        if setting in ("auto", "only") and "compile" not in target_eval.dtypes:
+            # what building the compiled copies cost, by the clock: graphs already compiled in
+            # this process (dynamo reuses them) would make a count of fresh compiles read zero
+            started = time.perf_counter()
+            if setting == "only":  # every rank compiles at once; rank 0 then times both paths
+                compiled_decoding(
+                    target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
+                )
+            built_s = time.perf_counter() - started
+            choice = None  # decided at a run's first evaluation by rank 0, then kept
+            if ranks.main:
+                # at most: the ARs and one verify per new token, at every sampling
+                forwards = max_new_tokens * (3 * len(samplings) * len(prompts) + len(ood))
+                choice = compile_choice(
+                    target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
+                    [p.shape[1] for p in prompts], cache_dir, forwards, built_s,
+                ).as_record()  # fmt: skip
+                print(describe_compile(choice, setting), flush=True)
+            target_eval.dtypes["compile"] = ranks.broadcast(choice)
     compiled = setting == "only" or (
         setting == "auto" and target_eval.dtypes["compile"]["dtype"] == "compiled"
     )

@@ -4,7 +4,7 @@ settings.py      start-up checks of the whole config, before anything loads
 setup.py         what a run builds before its first step (accelerator, target, draft, caches)
 machine.py       threads, the target's dtype and the draft's autocast, chosen by timing
 memory_plan.py   the memory per rank from the config alone; a launch that cannot fit refused
-phase_memory.py  the measured peak per phase, beside the plan's
+meta_forward.py  a training step's activations counted on the meta device
 identity.py      what a checkpoint was trained with, compared wherever it is used again
 init_from.py     a draft warm-started from any supported format or checkpoint
 records.py       checkpoints with their evaluation, summary.json

@@ -15,19 +15,26 @@ saves for the backward (`torch.autograd.graph.saved_tensors_hooks`). What each l
                with their gradients, and the loss's float32 working copies of one offset; with gradient checkpointing of the draft's attention
                blocks: each block call keeps its input and one block's saved tensors at once
   evaluation   the copies decoding makes: the target in decode.dtype when that differs from
-               its training dtype, and the draft in decode.dtype
+               its training dtype, the draft in decode.dtype, and on a CPU with
+               decode.compile each compiled graph's frozen, packed target weights
   held-out     (train.heldout_proxy) at each checkpoint, no gradients: the held-out rows'
                cached taps, one batch's target logits, the draft's float32 logits, and the
                loss's float32 working copies of one offset's rows (three at once)
+  regeneration the target answering prompts (train/data/answer_batch.py): its copy in
+               data.regen_dtype, the slots' K/V, a prefill's K/V and widest activations
+  ranks        DDP: the reducer's buckets (a second copy of the gradients); FSDP: the
+               draft's state divided by the ranks, plus the unit unsharded for a forward and
+               backward, the full state gathered for a checkpoint, the evaluation skeleton
   feature cache  (train.feature_cache) bytes on disk: (taps + 1) x hidden x target dtype
                bytes per token, for at most (rows x data.max_len) tokens
 
-The activations are an upper bound: on meta tensors attention takes PyTorch's math path and
-keeps its [B, heads, T, T] probabilities, which the fused kernels of a real run (flash
-attention, on CPU and CUDA) do not (with the math path forced, a real forward saves exactly
-the meta count: tests/test_memory_plan.py); and sizes on meta are float32 where a run
-autocasts to bf16 (CUDA). FSDP divides the draft's parameters, gradients and optimizer state
-by the number of ranks; the target is never sharded (every rank runs all of it).
+These add up per phase (`MemoryPlan.phase_bytes`, the phases train/phase_memory.py
+measures: start-up, data, feature pass, training, checkpoint, held-out proxy, evaluation);
+the peak is the largest phase. The activations are counted on the meta device
+(train/run/meta_forward.py) with attention as a fused kernel saves it, at data.max_len for
+every row (a batch is padded to its longest: an upper bound); sizes on meta are float32
+where a run autocasts to bf16 (CUDA). The target is never sharded (every rank runs all of
+it). Measured against the plan: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -39,35 +46,14 @@ from unittest import mock
 
 import hydra.utils
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
-from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from models import vocab
 from models.dtypes import resolve_dtype
-from models.target import Target
+from train.run.meta_forward import MetaScalars, activation_bytes, meta_target, parameter_counts
 
 GIB = 1024**3
-
-
-class MetaScalars(TorchDispatchMode):
-    """Meta tensors hold no values, so `.item()` (a Python `if` on a tensor, a count) and a
-    copy to another device fail on them. Under this mode an item reads 1 (False for a bool:
-    the input checks then pass) and a copy off the meta device is zeros of its shape: the
-    branch a run with real values takes is not known, but shapes, all a plan needs, rarely
-    depend on it."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
-            return {torch.bool: False}.get(args[0].dtype, 1)
-        device = kwargs.get("device")
-        off_meta = device is not None and torch.device(device).type != "meta"
-        if func is torch.ops.aten._to_copy.default and args[0].is_meta and off_meta:
-            dtype = kwargs.get("dtype") or args[0].dtype
-            return torch.zeros(args[0].shape, dtype=dtype, device=device)
-        return func(*args, **kwargs)
 
 
 FSDP_LAUNCH = "accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes"
@@ -100,127 +86,47 @@ class MemoryPlan:
     baseline_bytes: int = 0  # a CPU run: the process before the target (interpreter, libraries)
     heldout_bytes: int = 0  # train.heldout_proxy: its checkpoint-time pass (0: off)
     no_grad_bytes: int | None = None  # a forward's draft logits and loss copies, no gradients
+    regeneration_bytes: int = 0  # the data phase: the target answering the training prompts
+    heldout_regeneration_bytes: int = 0  # the feature pass: answering the held-out prompts
+    compiled_bytes: int = 0  # decode.compile on a CPU: the frozen graphs' packed weights
+    bucket_bytes: int = 0  # DDP: the gradient buckets, a second copy of the gradients
+    gathered_bytes: int = 0  # FSDP: the unsharded unit in a forward / backward, accumulation
+    checkpoint_bytes: int = 0  # FSDP: the full draft and optimizer state gathered to write
+    skeleton_bytes: int = 0  # FSDP: the unsharded draft an evaluation streams in
+    evaluates_early: bool = False  # an evaluation before the last step: its copies stay
 
     def peak_bytes(self, checkpointing: bool = False) -> int:
-        """The most one rank holds: its baseline, the target and the draft's state always,
-        then the larger of a training step's activations and an evaluation's copies."""
-        act = self.activation_bytes_checkpointed if checkpointing else self.activation_bytes
-        state = self.draft_bytes + self.gradient_bytes + self.optimizer_bytes
-        fixed = self.baseline_bytes + self.target_bytes + state
-        return fixed + max(act or 0, self.evaluation_bytes, self.heldout_bytes)
+        """The most one rank holds: the largest of its phases (`phase_bytes`)."""
+        return max(self.phase_bytes(checkpointing).values())
 
-    def phase_bytes(self) -> dict[str, int]:
-        """The most one rank holds in each phase of a run (train/run/phase_memory.py's names)."""
-        state = self.draft_bytes + self.gradient_bytes + self.optimizer_bytes
+    def phase_bytes(self, checkpointing: bool = False) -> dict[str, int]:
+        """The most one rank holds in each phase of a run (train/phase_memory.py's names): the
+        process baseline and the target always; the draft from the feature pass on, its
+        gradients and optimizer state from training on (gradients are freed after each
+        step: a checkpoint and an evaluation hold none); what an evaluation copies stays for
+        the rest of the run once it has run before the last step."""
+        act = self.activation_bytes_checkpointed if checkpointing else self.activation_bytes
         loaded = self.baseline_bytes + self.target_bytes
+        kept = loaded + self.draft_bytes + self.optimizer_bytes  # between steps
+        copies = self.evaluation_bytes if self.evaluates_early else 0
         return {
-            "start-up": loaded + state,
-            "data": loaded,
-            "feature pass": loaded + self.draft_bytes,
-            "training": loaded + state + (self.activation_bytes or 0),
-            "held-out proxy": loaded + state + self.heldout_bytes,
-            "evaluation": loaded + state + self.evaluation_bytes,
-        }
+            # the preflight forward and the draft's autocast timing: one row, a draft copy
+            "start-up": loaded + 2 * self.draft_bytes + self.gradient_bytes
+            + (act or 0) // self.batch_size,
+            "data": loaded + self.regeneration_bytes,
+            "feature pass": loaded + self.draft_bytes + self.heldout_regeneration_bytes,
+            "training": kept + copies + self.gradient_bytes + self.bucket_bytes
+            + self.gathered_bytes + (act or 0),
+            "checkpoint": kept + copies + self.checkpoint_bytes,
+            "held-out proxy": kept + copies + self.heldout_bytes,
+            "evaluation: copies and dtypes": kept + self.skeleton_bytes + self.evaluation_bytes
+            - self.compiled_bytes,
+            "evaluation: compile": kept + self.skeleton_bytes + self.evaluation_bytes,
+            "evaluation": kept + self.skeleton_bytes + self.evaluation_bytes,
+        }  # fmt: skip
 
     def as_record(self) -> dict:
         return {**asdict(self), "peak_bytes": self.peak_bytes(), "phases": self.phase_bytes()}
-
-
-def meta_target(config: PretrainedConfig, dtype: torch.dtype, name: str) -> Target:
-    """The target of `config` on the meta device in `dtype`: its shapes, no storage."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return Target(model, None, name=name, check_head=False)
-
-
-def parameter_counts(module: torch.nn.Module) -> tuple[int, int, int]:
-    """(trainable, frozen, bytes) over the module's parameters, shared ones counted once."""
-    trainable = frozen = nbytes = 0
-    for p in module.parameters():
-        trainable += p.numel() if p.requires_grad else 0
-        frozen += 0 if p.requires_grad else p.numel()
-        nbytes += p.numel() * p.element_size()
-    return trainable, frozen, nbytes
-
-
-def fused_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-    scale: float | None = None, enable_gqa: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """`F.scaled_dot_product_attention` as a fused kernel runs it (flash attention, on CPU and
-    CUDA): it saves q, k, v, the output and a logsumexp per row for the backward, not the
-    [B, heads, T, T] probabilities of PyTorch's math path, the one meta tensors would take.
-    Counted through the CPU flash kernel's own meta function, on meta tensors only: it
-    takes grouped k, v as they are (`enable_gqa`: saved once, as the kernel does)."""
-    if attn_mask is not None and attn_mask.dtype == torch.bool:  # additive, as the kernel takes
-        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-def activation_bytes(
-    draft: torch.nn.Module, target: Target, batch_size: int, max_len: int, fused: bool = True
-) -> tuple[int, int, int]:
-    """(without, with gradient checkpointing, without gradients) bytes of one training forward at
-    [batch_size, max_len], measured on meta tensors: the tensors autograd saves during the
-    draft's forward, plus the target's output the step keeps and the draft's logits with
-    their gradients (the same count on real modules: how the tests check the meta run).
-    `fused`: attention counted as a fused kernel saves (`fused_attention`); False: as the
-    modules call it (on real tensors, the kernel SDPA picks).
-    Checkpointed: the saved tensors outside attention blocks, each block
-    call's input, and the largest block call's saved tensors (recomputed one at a time)."""
-    ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=target.device)
-    mask = torch.ones_like(ids)
-    mask[-1, -1] = 0  # a padded batch, as training's are: attention then takes a mask
-    saved = {"bytes": 0}
-    calls: list[tuple[int, int]] = []  # per block call: (saved bytes, input bytes)
-    starts: list[int] = []
-
-    # Each storage once (q, k and v save the same input; a view saves its base) and no
-    # parameter: a weight saved for the input's gradient is counted under parameters.
-    params = [*draft.parameters(), *target.model.parameters()]
-    seen = {p.untyped_storage()._cdata: p for p in params}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in seen:
-            seen[storage._cdata] = storage  # held: an id is never reused while counting
-            saved["bytes"] += storage.nbytes()
-        return t
-
-    def before(module, args, kwargs) -> None:
-        starts.append(saved["bytes"])
-
-    def after(module, args, kwargs, out) -> None:
-        first = args[0] if args else kwargs.get("hidden_states")
-        size = first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
-        calls.append((saved["bytes"] - starts.pop(), size))
-
-    blocks = [m for m in draft.modules() if hasattr(m, "self_attn")]
-    hooks = [m.register_forward_pre_hook(before, with_kwargs=True) for m in blocks]
-    hooks += [m.register_forward_hook(after, with_kwargs=True) for m in blocks]
-    try:
-        with MetaScalars():
-            t_out = target(ids, hidden_layers=tuple(draft.hidden_layers), use_cache=False)
-        sdpa = fused_attention if fused else F.scaled_dot_product_attention
-        attention = mock.patch.object(F, "scaled_dot_product_attention", sdpa)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), MetaScalars(), attention:
-            out = draft(target, ids, t_out, mask, mask)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    kept = sum(t.numel() * t.element_size() for t in [t_out.logits, *t_out.hidden.values()])
-    logits = 2 * sum(x.numel() * 4 for x in out.logits)  # float32 logits and their gradients
-    in_blocks = sum(s for s, _ in calls)
-    checkpointed = saved["bytes"] - in_blocks + sum(i for _, i in calls)
-    checkpointed += max((s for s, _ in calls), default=0)
-    # the loss's float32 working copies of one offset's rows (the draft's, the target's at its
-    # ids, a log-softmax: three at once), beside what the step keeps; without gradients the
-    # draft's float32 logits once
-    working = 3 * max((x.numel() * 4 for x in out.logits), default=0)
-    no_grad = logits // 2 + working
-    return saved["bytes"] + kept + logits + working, checkpointed + kept + logits + working, no_grad
 
 
 def plan_memory(
@@ -296,17 +202,36 @@ def plan_memory(
     return plan
 
 
-def process_memory(key: str = "VmRSS") -> int | None:
-    """This process's resident memory in bytes (`VmRSS`; `VmHWM`: its peak so far), from
-    /proc/self/status; None where there is none."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+# Inductor's freezing on a CPU (decode.compile): each compiled graph holds the target's linear
+# weights again, packed for the GEMM kernels, beside the frozen originals it was folded from
+# (measured per graph: docs/memory.md "The compiled path").
+COMPILED_COPIES = 2
+
+
+def compiles_on_cpu(dec: DictConfig, cuda: bool) -> bool:
+    """Whether an evaluation compiles with frozen weights: decode.compile only / true on a
+    CPU (auto compiles only where a compile record says it pays: counted as compiled)."""
+    return not cuda and str(dec.get("compile", False)).lower() in ("true", "only", "auto")
+
+
+def regeneration_bytes(
+    config: PretrainedConfig, prompts: int, slots: int, prompt: int, new: int, element: int,
+    ranks: int = 1,
+) -> int:  # fmt: skip
+    """What answering `prompts` prompts holds besides the target (train/data/answer_batch.py):
+    the slots' preallocated K/V up to the longest prompt plus `new` tokens, a prefill's K/V of
+    as many prompts at once, and the prefill's widest activations (a layer's MLP) and
+    last-position logits in float32."""
+    slots = max(1, min(slots, math.ceil(prompts / ranks)))
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * element
+    cache = slots * (prompt + new) * per_token
+    prefill = slots * prompt * per_token
+    mlp = 3 * slots * prompt * config.intermediate_size * element
+    logits = slots * config.vocab_size * 4
+    return cache + prefill + mlp + logits
 
 
 def plan_for_run(
@@ -325,8 +250,41 @@ def plan_for_run(
     )  # fmt: skip
     plan.baseline_bytes = 0 if cuda else baseline
     replay = bool((cfg.get("replay") or {}).get("enabled"))
-    if not (cfg.train.eval_at_ckpt or replay):  # no decoding, no decoding copies
+    tc, dec = cfg.train, cfg.decode
+    if not (tc.eval_at_ckpt or replay):  # no decoding, no decoding copies
         plan.evaluation_bytes = 0
+    dtype = resolve_dtype(target_dtype)
+    regen = planned_dtype(str(data.get("regen_dtype", "auto")), cuda)
+    regen_copy = 0 if resolve_dtype(regen) == dtype else plan.target_params * resolve_dtype(regen).itemsize  # fmt: skip
+    answering = dict(config=target_config, slots=int(data.get("regen_batch_size") or 16),
+                     prompt=plan.max_len // 2, new=int(data.get("max_new_tokens") or 128),
+                     element=resolve_dtype(regen).itemsize, ranks=ranks)  # fmt: skip
+    hf = str(data.get("regen_backend", "hf")) == "hf"
+    asked = int(data.get("num_train") or 0) + int(data.get("self_prompts") or 0)
+    if data.get("regenerate", True) and hf and asked:
+        plan.regeneration_bytes = regen_copy + regeneration_bytes(prompts=asked, **answering)
+    if tc.get("heldout_proxy") and hf:
+        num_eval = int(data.get("num_eval") or 0)
+        plan.heldout_regeneration_bytes = regen_copy + regeneration_bytes(prompts=num_eval, **answering)  # fmt: skip
+    if compiles_on_cpu(dec, cuda) and plan.evaluation_bytes:
+        widths = 3 if dec.get("adaptive_k") else 2  # 1 (the AR) and k + 1 (the verify)
+        element = (
+            4 if str(dec.get("dtype", "auto")) == "auto" else resolve_dtype(dec.dtype).itemsize
+        )
+        plan.compiled_bytes = widths * COMPILED_COPIES * plan.target_params * element
+        plan.evaluation_bytes += plan.compiled_bytes
+    every, steps = tc.get("eval_every"), int(tc.steps)
+    plan.evaluates_early = bool(tc.eval_at_ckpt) and int(tc.ckpt_every) < steps and (
+        every is None or int(every) < steps
+    )  # fmt: skip
+    full_draft = (plan.draft_trainable or 0) + (plan.draft_frozen or 0)
+    if ranks > 1 and not sharded:  # DDP's reducer: its buckets hold a copy of every gradient
+        plan.bucket_bytes = plan.gradient_bytes
+    if sharded:  # one FSDP unit unsharded at a time: the draft's, as it is by default
+        mixed = str(tc.get("bf16")) == "true"
+        plan.gathered_bytes = full_draft * (2 if mixed else 4) + (plan.draft_trainable or 0) * 4
+        plan.checkpoint_bytes = full_draft * 4 + (plan.draft_trainable or 0) * 8  # main rank
+        plan.skeleton_bytes = full_draft * 4
     if cfg.train.get("heldout_proxy") and plan.no_grad_bytes is not None:
         rows, dtype = int(data.get("num_eval") or 0), resolve_dtype(target_dtype).itemsize
         logits = plan.batch_size * plan.max_len * target_config.vocab_size * dtype
@@ -427,8 +385,16 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  activations       {gib(plan.activation_bytes):>12}  (tensors a meta forward saves, attention as a fused kernel)",  # fmt: skip
         f"  activations ckpt  {gib(plan.activation_bytes_checkpointed):>12}  (with gradient checkpointing of the draft's blocks)",  # fmt: skip
         f"  evaluation copies {gib(plan.evaluation_bytes):>12}  (decode.dtype copies of target and draft; 0: no decoding)",  # fmt: skip
+        f"    of which compiled {gib(plan.compiled_bytes):>10}  (decode.compile on a CPU: each graph's packed weights)",  # fmt: skip
         f"  held-out proxy    {gib(plan.heldout_bytes):>12}  (train.heldout_proxy: cached taps, a batch's logits, a forward)",  # fmt: skip
+        f"  regeneration      {gib(plan.regeneration_bytes):>12}  (answering the training prompts: K/V slots, a prefill, a copy in data.regen_dtype)",  # fmt: skip
+        f"  held-out answers  {gib(plan.heldout_regeneration_bytes):>12}  (train.heldout_proxy: the held-out prompts answered once)",  # fmt: skip
+        f"  DDP buckets       {gib(plan.bucket_bytes):>12}  (a second copy of the gradients)",
+        f"  FSDP unsharded    {gib(plan.gathered_bytes):>12}  (a forward / backward's gathered unit; the checkpoint gathers {gib(plan.checkpoint_bytes)})",  # fmt: skip
         f"  peak              {gib(plan.peak_bytes()):>12}  (with checkpointing: {gib(plan.peak_bytes(True))})",  # fmt: skip
+        "  per phase         "
+        + ", ".join(f"{k} {v / GIB:.2f}" for k, v in plan.phase_bytes().items())
+        + " GiB",  # fmt: skip
         f"  feature cache     {plan.feature_cache_bytes_per_token:,} bytes/token on disk; {gib(plan.feature_cache_bytes)} for the rows x max_len",  # fmt: skip
     ]
     if plan.baseline_bytes:

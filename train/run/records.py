@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,9 +24,9 @@ from train.eval.evaluate import evaluate_checkpoint, format_eval_table
 from train.eval.heldout import PREFIX, HeldOut
 from train.parallel.ranks import Ranks
 from train.parallel.strategy import Strategy, eval_draft, full_state
+from train.phase_memory import phase
 from train.report.plots import save_learning_curve
 from train.report.tracking import RunLog
-from train.run.phase_memory import PhaseMemory
 
 
 @dataclass
@@ -43,10 +42,6 @@ class RunRecords:
     rows_consumed: int = 0  # rows of the seeded stream trained on, all segments of the run
     schedule: dict = field(default_factory=dict)  # the LR schedule's settings, as it started
     identity: dict | None = None  # identity.json of every checkpoint (train/run/identity.py)
-    memory: PhaseMemory | None = None  # peak memory per phase (train/run/phase_memory.py)
-
-    def phase(self, name: str) -> AbstractContextManager:
-        return self.memory.phase(name) if self.memory is not None else nullcontext()
 
     @classmethod
     def resumed(cls, earlier: list[dict], checkpoint: Path | None, **facts) -> RunRecords:
@@ -71,7 +66,7 @@ def checkpoint_and_evaluate(
     evaluation with the shared decoder (every rank decodes its share of the prompts,
     train/eval/evaluate.py; the main rank records), both with the full draft, never the
     FSDP-sharded module (train/parallel/strategy.py)."""
-    with records.phase("checkpoint"):
+    with phase("checkpoint"):
         write_checkpoint(cfg, accelerator, strategy, draft, optimizer, scheduler, replay,
                          records, step, train_s, loss)  # fmt: skip
     evaluate_at(cfg, accelerator, strategy, core, target, prepared, records, log, step, last,
@@ -122,7 +117,7 @@ def evaluate_at(
     with eval_draft(strategy, core) as full:  # under FSDP every rank streams the weights in
         if heldout is not None and accelerator.is_main_process:
             rng = rng_state()  # a draft that samples positions (DFlash) must not shift training's
-            with records.phase("held-out proxy"):
+            with phase("held-out proxy"):
                 held = {k: v for proxy in heldout for k, v in proxy.record(full, target).items()}
             set_rng_state(rng)
             records.last_heldout = {"step": step, "train_s": round(train_s, 2), **held}
@@ -130,7 +125,7 @@ def evaluate_at(
         if evaluate:
             rng = rng_state()  # evaluation must not shift the training RNG stream
             started = time.perf_counter()
-            with records.phase("evaluation"):
+            with phase("evaluation"):
                 result, records.decode_copies = evaluate_checkpoint(
                     target, full, prepared.eval_prompts, cfg, records.last_train,
                     records.decode_copies, Ranks.current(),

@@ -30,6 +30,7 @@ from train.data.prepare import PreparedData
 from train.eval.heldout import HeldOut, heldout_rows
 from train.parallel.ranks import Ranks, dist_timeout
 from train.parallel.strategy import Strategy
+from train.phase_memory import process_memory
 from train.report.tracking import tracker
 from train.run.identity import read_identity
 from train.run.init_from import init_draft_from
@@ -39,7 +40,6 @@ from train.run.memory_plan import (
     check_fits,
     device_memory,
     plan_for_run,
-    process_memory,
 )
 from train.run.settings import gpu_index
 

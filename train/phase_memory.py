@@ -13,11 +13,22 @@ it). The run's overall peak is the largest of them. On CUDA the same is done wit
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-from train.run.memory_plan import process_memory
+
+def process_memory(key: str = "VmRSS") -> int | None:
+    """This process's resident memory in bytes (`VmRSS`; `VmHWM`: its peak so far), from
+    /proc/self/status; None where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def reset_peak_rss() -> bool:
@@ -33,7 +44,11 @@ def reset_peak_rss() -> bool:
 class PhaseMemory:
     """`with memory.phase("training"): ...` records that phase's peak RSS (and CUDA
     allocation); phases may nest and repeat (a repeated phase keeps its largest peak).
-    What runs outside every phase is `outside` (the start-up: interpreter, target load)."""
+    What runs outside every phase is `outside` (the start-up: interpreter, target load).
+    The newest tracker is `PhaseMemory.current`: code far from the loop (an evaluation's
+    steps) marks its phases with `phase(name)`, a no-op where no run tracks."""
+
+    current: PhaseMemory | None = None
 
     def __init__(self, device: torch.device, outside: str = "start-up") -> None:
         self.cuda = device if device.type == "cuda" else None
@@ -41,6 +56,7 @@ class PhaseMemory:
         self.cuda_peak: dict[str, int] = {}
         self.stack = [outside]
         self.resets = True  # until the kernel refuses one
+        PhaseMemory.current = self
 
     def close_current(self) -> None:
         """Fold the peak since the last reset into the phase on top, then reset."""
@@ -85,3 +101,9 @@ class PhaseMemory:
             "peak_cuda_allocated_bytes": max(self.cuda_peak.values(), default=None),
             "phases": phases if self.resets else {},
         }
+
+
+def phase(name: str) -> AbstractContextManager:
+    """`PhaseMemory.current.phase(name)`, or nothing where no run tracks its memory."""
+    memory = PhaseMemory.current
+    return memory.phase(name) if memory is not None else nullcontext()
