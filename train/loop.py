@@ -265,6 +265,8 @@ def train_run(cfg: DictConfig) -> dict:
             bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{record['alpha'][0]:.3f}")
             log.write(record)
             records.last_train = record
+        if last:  # what the last checkpoint's evaluation keeps is the records' phase
+            memory.begin("records")
         if done % tc.ckpt_every == 0 or last:
             checkpoint_and_evaluate(cfg, accelerator, strategy, draft, core, optimizer, scheduler,
                                     replay, target, prepared, records, log, done, last,
@@ -272,7 +274,8 @@ def train_run(cfg: DictConfig) -> dict:
         if out_of_time:
             break
     bar.close()
-    memory.end()
+    if memory.stack[-1] == "training":  # a run resumed at its end trains no step
+        memory.begin("records")
 
     summary = {}
     if main:

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from decoding.drafter import Sampling
+from train.losses import family
 from train.losses.acceptance import DEFAULT_CHUNK, acceptance_proxy, check_logits
-from train.losses.divergences import family
 from train.losses.rows import (
     alpha_rows,
     ce_rows,

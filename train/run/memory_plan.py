@@ -17,9 +17,10 @@ saves for the backward (`torch.autograd.graph.saved_tensors_hooks`). What each l
   evaluation   the copies decoding makes: the target in decode.dtype when that differs from
                its training dtype, the draft in decode.dtype, and on a CPU with
                decode.compile each compiled graph's frozen, packed target weights
-  held-out     (train.heldout_proxy) at each checkpoint, no gradients: the held-out rows'
-               cached taps, one batch's target logits, the draft's float32 logits, and the
-               loss's float32 working copies of one offset's rows (three at once)
+  held-out     (train.heldout_proxy) at each checkpoint, no gradients: the held-out and
+               validation rows' cached taps, one batch's target logits, the draft's float32
+               logits, the loss's float32 working copies of one offset's rows and the
+               acceptance statistics' float32 full-vocabulary rows (three of each at once)
   regeneration the target answering prompts (train/data/answer_batch.py): its copy in
                data.regen_dtype, the slots' K/V, a prefill's K/V and widest activations
   ranks        DDP: the reducer's buckets (a second copy of the gradients); FSDP: the
@@ -123,6 +124,7 @@ class MemoryPlan:
             - self.compiled_bytes,
             "evaluation: compile": kept + self.skeleton_bytes + self.evaluation_bytes,
             "evaluation": kept + self.skeleton_bytes + self.evaluation_bytes,
+            "records": kept + self.evaluation_bytes,  # the last evaluation's copies, kept
         }  # fmt: skip
 
     def as_record(self) -> dict:
@@ -141,6 +143,7 @@ def plan_memory(
     sharded: bool = False,
     decode_dtype: str = "auto",
     rows: int = 0,
+    mixed: bool = False,
 ) -> MemoryPlan:
     """The memory plan of one launch (see the module docstring for each line). `decode_dtype`
     "auto": the larger copy (float32), as a CPU may measure either (a caller on CUDA passes
@@ -183,9 +186,6 @@ def plan_memory(
     param_bytes = draft_bytes // max(1, trainable + frozen) if draft_bytes else 4
     gradients = trainable * param_bytes
     optimizer = trainable * (8 + (4 if param_bytes != 4 else 0))
-    if sharded:
-        state = (draft_bytes, gradients, optimizer)
-        draft_bytes, gradients, optimizer = (math.ceil(b / ranks) for b in state)
     decode = torch.float32 if decode_dtype == "auto" else resolve_dtype(decode_dtype)
     element = decode.itemsize
     evaluation = (trainable + frozen) * element
@@ -199,7 +199,7 @@ def plan_memory(
         per_token * rows * max_len, batch_size, max_len, ranks, sharded, notes,
     )  # fmt: skip
     plan.no_grad_bytes = no_grad
-    return plan
+    return spread_over_ranks(plan, mixed)
 
 
 # Inductor's freezing on a CPU (decode.compile): each compiled graph holds the target's linear
@@ -234,6 +234,27 @@ def regeneration_bytes(
     return cache + prefill + mlp + logits
 
 
+def spread_over_ranks(plan: MemoryPlan, mixed: bool = False) -> MemoryPlan:
+    """`plan`'s per-rank lines for its `ranks` and `sharded` (in place; its draft state as
+    one process holds it). DDP: the reducer's buckets, a copy of every gradient. FSDP: the
+    draft's state divided by the ranks, plus one unit unsharded at a time for a forward and
+    backward (the whole draft, the default unit: its parameters gathered, in bf16 with
+    `mixed`, and its gradients before they are reduce-scattered), the full state a
+    checkpoint gathers on the main rank (float32 weights and two AdamW states) and the
+    evaluation's unsharded skeleton."""
+    full, trainable = (plan.draft_trainable or 0) + (plan.draft_frozen or 0), plan.draft_trainable or 0  # fmt: skip
+    plan.bucket_bytes = plan.gathered_bytes = plan.checkpoint_bytes = plan.skeleton_bytes = 0
+    if plan.sharded:
+        for name in ("draft_bytes", "gradient_bytes", "optimizer_bytes"):
+            setattr(plan, name, math.ceil(getattr(plan, name) / plan.ranks))
+        plan.gathered_bytes = full * (2 if mixed else 4) + trainable * 4
+        plan.checkpoint_bytes = full * 4 + trainable * 8
+        plan.skeleton_bytes = full * 4
+    elif plan.ranks > 1:
+        plan.bucket_bytes = plan.gradient_bytes
+    return plan
+
+
 def plan_for_run(
     cfg: DictConfig, target_config: PretrainedConfig, target_name: str, target_dtype: str,
     ranks: int, sharded: bool, cuda: bool, baseline: int = 0,
@@ -247,6 +268,7 @@ def plan_for_run(
         target_config, target_name, target_dtype, cfg.draft.model, str(cfg.draft.kind),
         int(cfg.train.batch_size), int(data.max_len), ranks, sharded,
         "bfloat16" if decode == "auto" and cuda else decode, rows,
+        mixed=str(cfg.train.get("bf16")) == "true",  # FSDP gathers bf16 parameters
     )  # fmt: skip
     plan.baseline_bytes = 0 if cuda else baseline
     replay = bool((cfg.get("replay") or {}).get("enabled"))
@@ -277,19 +299,16 @@ def plan_for_run(
     plan.evaluates_early = bool(tc.eval_at_ckpt) and int(tc.ckpt_every) < steps and (
         every is None or int(every) < steps
     )  # fmt: skip
-    full_draft = (plan.draft_trainable or 0) + (plan.draft_frozen or 0)
-    if ranks > 1 and not sharded:  # DDP's reducer: its buckets hold a copy of every gradient
-        plan.bucket_bytes = plan.gradient_bytes
-    if sharded:  # one FSDP unit unsharded at a time: the draft's, as it is by default
-        mixed = str(tc.get("bf16")) == "true"
-        plan.gathered_bytes = full_draft * (2 if mixed else 4) + (plan.draft_trainable or 0) * 4
-        plan.checkpoint_bytes = full_draft * 4 + (plan.draft_trainable or 0) * 8  # main rank
-        plan.skeleton_bytes = full_draft * 4
     if cfg.train.get("heldout_proxy") and plan.no_grad_bytes is not None:
-        rows, dtype = int(data.get("num_eval") or 0), resolve_dtype(target_dtype).itemsize
-        logits = plan.batch_size * plan.max_len * target_config.vocab_size * dtype
+        # the eval prompts' answers and data.pack_val's validation rows, each a proxy
+        rows = int(data.get("num_eval") or 0) + int(data.get("pack_val") or 0)
+        positions = plan.batch_size * plan.max_len
+        logits = positions * target_config.vocab_size * resolve_dtype(target_dtype).itemsize
         taps = rows * plan.max_len * plan.feature_cache_bytes_per_token
-        plan.heldout_bytes = taps + logits + plan.no_grad_bytes
+        # the acceptance statistics' float32 rows of the target's full vocabulary (its
+        # probabilities at each sampling and their cut-offs): three at once
+        stats = 3 * positions * target_config.vocab_size * 4
+        plan.heldout_bytes = taps + logits + plan.no_grad_bytes + stats
     return plan
 
 
@@ -328,20 +347,20 @@ def fitting_settings(plan: MemoryPlan, available: int) -> list[str]:
     if not plan.sharded:
         # the launch's own ranks when it has several, else the fewest GPUs that would do
         for n in [plan.ranks] if plan.ranks > 1 else (2, 4, 8, 16, 32, 64):
-            sharded = MemoryPlan(**{**asdict(plan), "ranks": n, "sharded": True})
-            for name in ("draft_bytes", "gradient_bytes", "optimizer_bytes"):
-                setattr(sharded, name, math.ceil(getattr(plan, name) / n))
+            unsharded = {"gradient_bytes": plan.gradient_bytes}  # as one process holds them
+            sharded = MemoryPlan(**{**asdict(plan), **unsharded, "ranks": n, "sharded": True})
+            spread_over_ranks(sharded)
             if sharded.peak_bytes() <= available:
                 per_rank = gib(sharded.peak_bytes())
                 fixes.append(f"FSDP over {n} ranks ({FSDP_LAUNCH} {n}): {per_rank} per rank")
                 break
     if plan.activation_bytes:
-        fixed = plan.peak_bytes() - max(
-            plan.activation_bytes, plan.evaluation_bytes, plan.heldout_bytes
-        )
+        phases = plan.phase_bytes()
+        fixed = phases["training"] - plan.activation_bytes  # a step's activations: per row
         per_row = plan.activation_bytes / plan.batch_size
         rows = int((available - fixed) // per_row) if available > fixed else 0
-        if 1 <= rows < plan.batch_size and plan.evaluation_bytes + fixed <= available:
+        others = max(v for k, v in phases.items() if k not in ("training", "held-out proxy"))
+        if 1 <= rows < plan.batch_size and others <= available:
             fixes.append(f"train.batch_size={rows} (train.grad_accum keeps the global batch)")
         if plan.peak_bytes(checkpointing=True) <= available:
             fixes.append(
