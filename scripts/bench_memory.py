@@ -11,7 +11,9 @@ Each run writes summary.json `memory` (train/loop.py): the plan's bytes per phas
 (train/run/memory_plan.py: MemoryPlan.phase_bytes) beside the main rank's measured peak RSS in
 that phase (train/phase_memory.py). Runs one at a time (each rank one thread); prints a
 table and writes JSON: per run its command, the plan and the peak per phase, and
-measured / plan. `--summary` adds finished runs (the README's first run) to the table.
+measured / plan. `--summary` adds finished runs (the README's first run) to the table, with
+the plan this code makes for their config (their recorded target dtype, ranks and process
+baseline).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from models.target_loaders import target_config
+from train.run.memory_plan import plan_for_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -51,6 +58,20 @@ def command(launcher: list[str], overrides: list[str], run_dir: Path) -> list[st
             f"conf/accelerate/{launcher[1]}.yaml", "--num_processes", "2", "train.py",
         ]  # fmt: skip
     return [*launcher, *SHORT, *overrides, f"run_dir={run_dir}"]
+
+
+def replan(run_dir: Path, memory: dict) -> dict:
+    """`memory` with the plan this code makes for the run's config.yaml (its target dtype,
+    ranks and process baseline as recorded): a run measured before a change of the plan
+    is compared with the plan as it is now."""
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    recorded = memory["plan"]
+    config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
+    plan = plan_for_run(cfg, config, name, recorded["target_dtype"], recorded["ranks"],
+                        recorded["sharded"], False, recorded["baseline_bytes"])  # fmt: skip
+    planned = plan.phase_bytes()
+    phases = {k: {**v, "plan_bytes": planned.get(k)} for k, v in memory.get("phases", {}).items()}
+    return {**memory, "plan_peak_bytes": plan.peak_bytes(), "phases": phases}
 
 
 def compare(memory: dict) -> dict:
@@ -89,7 +110,8 @@ def main() -> None:
     results: dict[str, dict] = {}
     for path in args.summary:
         summary = json.loads(path.read_text())
-        results[f"{summary['name']} ({path.parent})"] = {"command": "as run", **compare(summary["memory"])}  # fmt: skip
+        memory = replan(path.parent, summary["memory"])  # the plan as this code makes it
+        results[f"{summary['name']} ({path.parent})"] = {"command": "as run", **compare(memory)}  # fmt: skip
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_memory_"))
     for i, (name, (launcher, extra)) in enumerate(LAUNCHES.items()):
         if args.only and name not in args.only:

@@ -155,7 +155,19 @@ def test_no_file_refers_outside_the_project():
 # train/'s rooms, bottom to top: a module imports its own room's modules and lower rooms'
 # only (docs/design.md §1). disk.py, phase_memory.py and loop.py are rooms of one file; train/__init__.py
 # registers the config resolvers (run/resolvers.py) and is no room.
-ROOMS = ("disk", "phase_memory", "parallel", "losses", "data", "report", "core", "formats", "eval", "run", "loop")
+ROOMS = (
+    "disk",
+    "phase_memory",
+    "parallel",
+    "losses",
+    "data",
+    "report",
+    "core",
+    "formats",
+    "eval",
+    "run",
+    "loop",
+)
 TRAIN_FILES = [p for p in module_files("train") if p != ROOT / "train" / "__init__.py"]
 
 

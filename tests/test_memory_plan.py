@@ -11,13 +11,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from train.run.meta_forward import activation_bytes, parameter_counts
 
 import train.run.setup
 from models.target_loaders import build_tiny_random, target_config
 from tests.helpers import compose_debug
 from train.loop import run
 from train.run.memory_plan import check_fits, plan_for_run, planned_dtype
+from train.run.meta_forward import activation_bytes, parameter_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = Path(__file__).parent / "llama31_8b"  # Llama-3.1-8B's published config.json only

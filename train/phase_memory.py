@@ -12,6 +12,8 @@ it). The run's overall peak is the largest of them. On CUDA the same is done wit
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -29,6 +31,25 @@ def process_memory(key: str = "VmRSS") -> int | None:
     except OSError:
         return None
     return None
+
+
+def _libc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+MALLOC_TRIM = _libc_trim()
+
+
+def give_back_freed() -> None:
+    """Return the heap pages freed tensors left to the OS (glibc's `malloc_trim`): glibc
+    keeps them mapped for its next allocations, so without this a process's RSS stays at
+    the largest of its past transients (a held-out pass's full-vocabulary rows, timing
+    copies) and every later phase is measured, and held, on top of them."""
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
 
 
 def reset_peak_rss() -> bool:
@@ -59,11 +80,13 @@ class PhaseMemory:
         PhaseMemory.current = self
 
     def close_current(self) -> None:
-        """Fold the peak since the last reset into the phase on top, then reset."""
+        """Fold the peak since the last reset into the phase on top, give back what it freed
+        (`give_back_freed`), then reset: the next phase starts from what is still held."""
         name = self.stack[-1]
         peak = process_memory("VmHWM")
         if peak is not None:
             self.rss[name] = max(self.rss.get(name) or 0, peak)
+        give_back_freed()
         if self.cuda is not None:
             allocated = torch.cuda.max_memory_allocated(self.cuda)
             self.cuda_peak[name] = max(self.cuda_peak.get(name, 0), allocated)
