@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from train.phase_memory import process_memory
 
 from models.target_loaders import target_config
+from train.phase_memory import process_memory
 from train.run.memory_plan import (
     GIB,
     check_fits,

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 import torch
-from train.run.meta_forward import meta_target, parameter_counts
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.dtype_choice import choose_target_dtype
 from models.target import Target
 from models.target_loaders import build_tiny_random, hf_target_config, load_hf_target
 from models.tiny_tokenizer import build_char_tokenizer
+from train.run.meta_forward import meta_target, parameter_counts
 
 
 def test_forward_matches_hf_and_returns_requested_layers(tiny_target: Target):
