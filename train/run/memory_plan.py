@@ -204,7 +204,7 @@ def plan_memory(
 
 # Inductor's freezing on a CPU (decode.compile): each compiled graph holds the target's linear
 # weights again, packed for the GEMM kernels, beside the frozen originals it was folded from
-# (measured per graph: docs/memory.md "The compiled path").
+# (the first run's compile step against this count: docs/memory.md "Every phase of a run").
 COMPILED_COPIES = 2
 
 
