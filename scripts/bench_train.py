@@ -12,7 +12,9 @@ loop's first-epoch order). The rows run INTERLEAVED, the order rotated by one pe
 and report the median and min-max over --repeats. The training data is read from the cache
 a run fills (train/data/); `data.regenerate=false` times the source answers instead (other
 lengths) when nothing is cached yet. Prints a table and the machine (CPU model, ATen's CPU
-capability, oneDNN ISA cap, torch, threads); --out writes JSON.
+capability, oneDNN ISA cap, torch, threads); --out writes JSON. --trim adds a twin of every
+row that first gives the freed heap back (train/phase_memory.py: give_back_freed, which the
+loop calls after every step), so its cost, the pages faulted in again included, is timed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from models.dtype_choice import machine_key
 from train.core.schedule import global_rows, rank_chunks
 from train.core.step import StepSetup, train_step
 from train.data.prepare import collate, prepare_data
+from train.phase_memory import give_back_freed
 from train.run.setup import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +50,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=eagle_tv")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over the rows")
     ap.add_argument("--out", help="write the JSON here too")
+    ap.add_argument("--trim", action="store_true",
+                    help="each row also as a twin that gives the freed heap back first (glibc "
+                    "malloc_trim, as the loop does after every step): its cost, refaults included")  # fmt: skip
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -76,9 +82,10 @@ def main() -> None:
                 train_step(0, draft, draft, copy_, micro, chunks, setup, accelerator, params)
                 draft.zero_grad(set_to_none=True)
 
-            steps[f"target {target_name}, draft {'bf16 autocast' if autocast else 'float32'}"] = (
-                step
-            )
+            name = f"target {target_name}, draft {'bf16 autocast' if autocast else 'float32'}"
+            steps[name] = step
+            if args.trim:  # the trim, then the step that faults the given-back pages in again
+                steps[name + ", heap trimmed"] = lambda step=step: (give_back_freed(), step())
     for fn in steps.values():  # warm-up, untimed
         fn()
     names, seconds = list(steps), {name: [] for name in steps}

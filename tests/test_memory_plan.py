@@ -153,11 +153,21 @@ def test_each_phase_holds_what_runs_in_it():
     assert plan_of(compose_train(*base, "data.num_train=0", "data.pack=builtin"),
                    "float32").regeneration_bytes == 0  # fmt: skip
     assert not one.evaluates_early and early.evaluates_early
-    held = early.phase_bytes()["training"] - phases["training"]
-    assert held == early.evaluation_bytes > 0
+    held = early.phase_bytes()["training"] - phases["training"]  # eagle_tv: a held-out proxy
+    assert held == early.evaluation_bytes + early.heldout_kept_bytes
+    assert early.evaluation_bytes > 0 and early.heldout_kept_bytes > 0
     eager = plan_of(compose_train(*base, "train.ckpt_every=8", "decode.compile=false"), "float32")
     assert one.compiled_bytes > 0 and eager.compiled_bytes == 0
     assert one.evaluation_bytes - eager.evaluation_bytes == one.compiled_bytes
+    # a held-out pass before the last step leaves its rows' taps cached for the rest of the run
+    # (the eval prompts' answers: no pack, so no validation rows)
+    proxy = ("train.heldout_proxy=true", "data.num_eval=8")
+    late = plan_of(compose_train(*base, "train.ckpt_every=8", *proxy), "float32")
+    kept = plan_of(compose_train(*base, "train.ckpt_every=4", *proxy), "float32")
+    taps = 8 * late.max_len * late.feature_cache_bytes_per_token
+    assert late.heldout_kept_bytes == 0 and kept.heldout_kept_bytes == taps > 0
+    assert kept.phase_bytes()["training"] - late.phase_bytes()["training"] == taps
+    assert kept.phase_bytes()["held-out proxy"] == late.phase_bytes()["held-out proxy"]
     assert one.peak_bytes() == max(phases.values())
 
 

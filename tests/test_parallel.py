@@ -48,8 +48,12 @@ COMMON = [
     "decode.num_prompts=2",
     "decode.max_new_tokens=16",
     "decode.k=3",
+    "train.dist_timeout_s=300",  # a collective no other rank joins raises, naming itself
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+# PYTHONFAULTHANDLER: a process sent SIGABRT prints its threads' Python stacks (run_launch)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+       "PYTHONFAULTHANDLER": "1"}  # fmt: skip
+LAUNCH_TIMEOUT_S = 600
 
 
 def launch(strategy: str, run_dir: Path, *overrides: str) -> list[str]:
@@ -62,10 +66,28 @@ def launch(strategy: str, run_dir: Path, *overrides: str) -> list[str]:
 
 
 def run_launch(strategy: str, run_dir: Path, *overrides: str) -> None:
+    """The launch to its end; one that outlives LAUNCH_TIMEOUT_S fails with every process's
+    Python stack (faulthandler dumps them on SIGABRT) and the log's tail: where it waited."""
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as out:
-        proc = subprocess.run(launch(strategy, run_dir, *overrides), cwd=ROOT, env=ENV,
-                              stdout=out, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+        proc = subprocess.Popen(launch(strategy, run_dir, *overrides), cwd=ROOT, env=ENV,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            everyone = [
+                *psutil.Process(proc.pid).children(recursive=True),
+                psutil.Process(proc.pid),
+            ]
+            for p in everyone:
+                p.send_signal(signal.SIGABRT)
+            psutil.wait_procs(everyone, timeout=30)
+            for p in everyone:
+                if p.is_running():
+                    p.send_signal(signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"the launch ran over {LAUNCH_TIMEOUT_S} s; its stacks and log's tail:\n"
+                        + log.read_text()[-12000:])  # fmt: skip
     assert proc.returncode == 0, log.read_text()[-4000:]
 
 

@@ -42,7 +42,7 @@ from train.data.prompt_file import ood_prompts
 from train.disk import write_atomic
 from train.parallel.ranks import Ranks
 from train.parallel.strategy import check_processes, launch_strategy, shard, strategy_ran
-from train.phase_memory import PhaseMemory
+from train.phase_memory import PhaseMemory, give_back_freed
 from train.report.tracking import RunLog, finish_tracking, init_tracking
 from train.run.files import (
     check_run_dir,
@@ -251,6 +251,9 @@ def train_run(cfg: DictConfig) -> dict:
         clock["train_s"] += step_time
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        # the step's freed activations back to the OS: rows of other lengths otherwise leave
+        # glibc's heap fragmented and growing step by step (docs/memory.md, "The heap")
+        give_back_freed()
         window.add(result.stats, result.counts, result.loss, result.grad_norm, result.target_s, step_time)  # fmt: skip
         done = step + 1
         bar.update(1 if budget is None else min(step_time, budget - bar.n))

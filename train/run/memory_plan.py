@@ -86,6 +86,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     baseline_bytes: int = 0  # a CPU run: the process before the target (interpreter, libraries)
     heldout_bytes: int = 0  # train.heldout_proxy: its checkpoint-time pass (0: off)
+    heldout_kept_bytes: int = 0  # its rows' taps, cached by the first pass and kept after it
     no_grad_bytes: int | None = None  # a forward's draft logits and loss copies, no gradients
     regeneration_bytes: int = 0  # the data phase: the target answering the training prompts
     heldout_regeneration_bytes: int = 0  # the feature pass: answering the held-out prompts
@@ -108,7 +109,8 @@ class MemoryPlan:
         the rest of the run once it has run before the last step."""
         act = self.activation_bytes_checkpointed if checkpointing else self.activation_bytes
         loaded = self.baseline_bytes + self.target_bytes
-        kept = loaded + self.draft_bytes + self.optimizer_bytes  # between steps
+        # between steps; a held-out pass before the last step leaves its taps cached
+        kept = loaded + self.draft_bytes + self.optimizer_bytes + self.heldout_kept_bytes
         copies = self.evaluation_bytes if self.evaluates_early else 0
         return {
             # the preflight forward and the draft's autocast timing: one row, a draft copy
@@ -119,7 +121,7 @@ class MemoryPlan:
             "training": kept + copies + self.gradient_bytes + self.bucket_bytes
             + self.gathered_bytes + (act or 0),
             "checkpoint": kept + copies + self.checkpoint_bytes,
-            "held-out proxy": kept + copies + self.heldout_bytes,
+            "held-out proxy": kept - self.heldout_kept_bytes + copies + self.heldout_bytes,
             "evaluation: copies and dtypes": kept + self.skeleton_bytes + self.evaluation_bytes
             - self.compiled_bytes,
             "evaluation: compile": kept + self.skeleton_bytes + self.evaluation_bytes,
@@ -301,7 +303,8 @@ def plan_for_run(
     )  # fmt: skip
     if cfg.train.get("heldout_proxy") and plan.no_grad_bytes is not None:
         # the eval prompts' answers and data.pack_val's validation rows, each a proxy
-        rows = int(data.get("num_eval") or 0) + int(data.get("pack_val") or 0)
+        val_rows = int(data.get("pack_val") or 0) if data.get("pack") else 0  # a pack's only
+        rows = int(data.get("num_eval") or 0) + val_rows
         positions = plan.batch_size * plan.max_len
         logits = positions * target_config.vocab_size * resolve_dtype(target_dtype).itemsize
         taps = rows * plan.max_len * plan.feature_cache_bytes_per_token
@@ -309,6 +312,7 @@ def plan_for_run(
         # probabilities at each sampling and their cut-offs): three at once
         stats = 3 * positions * target_config.vocab_size * 4
         plan.heldout_bytes = taps + logits + plan.no_grad_bytes + stats
+        plan.heldout_kept_bytes = taps if int(tc.ckpt_every) < steps else 0
     return plan
 
 
@@ -405,7 +409,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  activations ckpt  {gib(plan.activation_bytes_checkpointed):>12}  (with gradient checkpointing of the draft's blocks)",  # fmt: skip
         f"  evaluation copies {gib(plan.evaluation_bytes):>12}  (decode.dtype copies of target and draft; 0: no decoding)",  # fmt: skip
         f"    of which compiled {gib(plan.compiled_bytes):>10}  (decode.compile on a CPU: each graph's packed weights)",  # fmt: skip
-        f"  held-out proxy    {gib(plan.heldout_bytes):>12}  (train.heldout_proxy: cached taps, a batch's logits, a forward)",  # fmt: skip
+        f"  held-out proxy    {gib(plan.heldout_bytes):>12}  (train.heldout_proxy: cached taps, a batch's logits, a forward; the taps, {gib(plan.heldout_kept_bytes)}, kept after a pass before the last step)",  # fmt: skip
         f"  regeneration      {gib(plan.regeneration_bytes):>12}  (answering the training prompts: K/V slots, a prefill, a copy in data.regen_dtype)",  # fmt: skip
         f"  held-out answers  {gib(plan.heldout_regeneration_bytes):>12}  (train.heldout_proxy: the held-out prompts answered once)",  # fmt: skip
         f"  DDP buckets       {gib(plan.bucket_bytes):>12}  (a second copy of the gradients)",
