@@ -1,6 +1,7 @@
 """The memory plan (train/run/memory_plan.py, scripts/plan.py): counts from the config alone, on
 the meta device, equal to the real modules'; a launch that cannot fit is refused."""
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import train.run.setup
 from models.target_loaders import build_tiny_random, target_config
 from tests.helpers import compose_debug
 from train.loop import run
-from train.run.memory_plan import check_fits, plan_for_run, planned_dtype
+from train.run.memory_plan import check_fits, plan_for_run, planned_dtype, with_heldout_shapes
 from train.run.meta_forward import activation_bytes, parameter_counts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,3 +182,20 @@ def test_a_run_records_each_phase_beside_the_plan(tmp_path):
     for name, phase in phases.items():
         assert phase["peak_rss_bytes"] > 0 and phase["plan_bytes"] > 0, name
     assert summary["memory"]["peak_rss_bytes"] == max(p["peak_rss_bytes"] for p in phases.values())
+
+
+def test_the_held_out_pass_is_re_planned_with_its_batches_as_they_are():
+    """The bound (every batch train.batch_size rows of data.max_len) re-planned with batches of
+    exactly that shape is the bound; shorter batches count their own positions and taps."""
+    cfg = compose_train("+experiment=eagle_tv", "data.num_eval=8", "data.pack=null",
+                        "train.batch_size=4", "data.max_len=512")  # fmt: skip
+    bound = plan_of(cfg, "float32")
+    assert bound.heldout_bytes > 0 and bound.heldout_kept_bytes > 0
+    as_bound = with_heldout_shapes(copy.copy(bound), [(4, 512), (4, 512)])  # 8 answers
+    assert as_bound.heldout_bytes == pytest.approx(bound.heldout_bytes, rel=1e-6)
+    short = with_heldout_shapes(copy.copy(bound), [(4, 300), (3, 120)])
+    per_token = bound.feature_cache_bytes_per_token
+    taps = (4 * 300 + 3 * 120) * per_token
+    assert short.heldout_kept_bytes == taps
+    assert short.heldout_bytes == taps + 4 * 300 * bound.heldout_position_bytes
+    assert with_heldout_shapes(copy.copy(bound), []).heldout_bytes == bound.heldout_bytes

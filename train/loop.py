@@ -54,7 +54,7 @@ from train.run.files import (
 from train.run.identity import Resumed, check_resume, run_identity
 from train.run.init_from import check_init_from
 from train.run.machine import choose_autocast, share_threads
-from train.run.memory_plan import MemoryPlan
+from train.run.memory_plan import MemoryPlan, with_heldout_shapes
 from train.run.records import RunRecords, checkpoint_and_evaluate, evaluate_at, write_summary
 from train.run.settings import check_decode_context, check_settings
 from train.run.setup import (
@@ -176,6 +176,8 @@ def train_run(cfg: DictConfig) -> dict:
         setup = replace(setup, autocast=True)  # accelerate's autocast comes with prepare only
     with memory.phase("feature pass"):  # None unless train.heldout_proxy: its rows' taps
         heldout = heldout_proxy(cfg, target, prepared, setup)
+    shapes = [tuple(b["input_ids"].shape) for proxy in heldout or () for b in proxy.batches]
+    plan = with_heldout_shapes(plan, shapes)  # the held-out batches as they are, not the bound
     if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError("the draft has no trainable parameters; check draft.model settings")
     # FSDP: before the optimizer sees it; weights the draft shares with the target (Medusa-2's

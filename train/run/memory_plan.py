@@ -87,6 +87,7 @@ class MemoryPlan:
     baseline_bytes: int = 0  # a CPU run: the process before the target (interpreter, libraries)
     heldout_bytes: int = 0  # train.heldout_proxy: its checkpoint-time pass (0: off)
     heldout_kept_bytes: int = 0  # its rows' taps, cached by the first pass and kept after it
+    heldout_position_bytes: int = 0  # a held-out batch's transients per position (rows x length)
     no_grad_bytes: int | None = None  # a forward's draft logits and loss copies, no gradients
     regeneration_bytes: int = 0  # the data phase: the target answering the training prompts
     heldout_regeneration_bytes: int = 0  # the feature pass: answering the held-out prompts
@@ -305,14 +306,31 @@ def plan_for_run(
         # the eval prompts' answers and data.pack_val's validation rows, each a proxy
         val_rows = int(data.get("pack_val") or 0) if data.get("pack") else 0  # a pack's only
         rows = int(data.get("num_eval") or 0) + val_rows
-        positions = plan.batch_size * plan.max_len
-        logits = positions * target_config.vocab_size * resolve_dtype(target_dtype).itemsize
+        positions = plan.batch_size * plan.max_len  # a batch's bound: rows of data.max_len
+        # per position: the target's logits, the acceptance statistics' float32 rows of its
+        # full vocabulary (its probabilities at each sampling and their cut-offs: three at
+        # once) and the draft's forward without gradients
+        logits = target_config.vocab_size * resolve_dtype(target_dtype).itemsize
+        stats = 3 * target_config.vocab_size * 4
+        plan.heldout_position_bytes = logits + stats + plan.no_grad_bytes // positions
         taps = rows * plan.max_len * plan.feature_cache_bytes_per_token
-        # the acceptance statistics' float32 rows of the target's full vocabulary (its
-        # probabilities at each sampling and their cut-offs): three at once
-        stats = 3 * positions * target_config.vocab_size * 4
-        plan.heldout_bytes = taps + logits + plan.no_grad_bytes + stats
+        plan.heldout_bytes = taps + positions * plan.heldout_position_bytes
         plan.heldout_kept_bytes = taps if int(tc.ckpt_every) < steps else 0
+    return plan
+
+
+def with_heldout_shapes(plan: MemoryPlan, shapes: list[tuple[int, int]]) -> MemoryPlan:
+    """`plan` (in place) with the held-out proxy's batches as the data made them ([rows,
+    padded length] each, every proxy's) in place of the bound it was made with: every batch
+    train.batch_size rows of data.max_len. A run re-plans with them once its held-out rows
+    exist (summary.json `memory`); the plan it was admitted with is the bound's."""
+    if not plan.heldout_bytes or not shapes:
+        return plan
+    tokens = sum(rows * length for rows, length in shapes)
+    taps = tokens * plan.feature_cache_bytes_per_token
+    widest = max(rows * length for rows, length in shapes)
+    plan.heldout_bytes = taps + widest * plan.heldout_position_bytes
+    plan.heldout_kept_bytes = taps if plan.heldout_kept_bytes else 0
     return plan
 
 
