@@ -26,7 +26,7 @@ from tests.fake_device import DEVICE, OnDevice, fake_device
 from tests.helpers import TINY_CPU_RUN, V, compose_train, left_pad, untied_target
 from train.core.step import StepSetup, StepStats, aux_loss, offset_losses
 from train.run import setup as run_setup
-from train.run.settings import gpu_index
+from train.run.settings import gpu_index, tracking_settings
 
 torch.set_num_threads(1)  # tiny models crawl with more threads than free cores (design.md §6)
 
@@ -183,7 +183,8 @@ def test_device_cuda_n_is_honoured_or_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     run = [o for o in TINY_CPU_RUN if not o.startswith("device=")]
-    run_setup.make_accelerator(compose_train(*run, "device=cuda:1"))
+    cfg = compose_train(*run, "device=cuda:1")
+    run_setup.make_accelerator(cfg, tracking_settings(cfg))
     assert set_to == [1]
     assert gpu_index("cuda", 1) is None and gpu_index("cpu", 1) is None
     with pytest.raises(ValueError, match="has 2 GPU"):

@@ -23,6 +23,7 @@ from train.data.prepare import prepare_data
 from train.data.regenerate import regenerate
 from train.eval.evaluate import evaluate_checkpoint
 from train.parallel.ranks import DEFAULT_TIMEOUT_S
+from train.run.settings import tracking_settings
 from train.run.setup import instantiate, make_accelerator
 
 ROWS, REGEN_BATCH, BATCH = 8, 2, 2  # 4 regeneration batches, 4 feature-cache batches
@@ -119,11 +120,13 @@ def test_two_rank_evaluation_equals_one_process(two_ranks):
 
 def test_process_group_timeout_is_a_setting():
     cfg = compose_debug("unused", "train.dist_timeout_s=123")
-    assert make_accelerator(cfg).init_handler.timeout.total_seconds() == 123
+    accelerator = make_accelerator(cfg, tracking_settings(cfg))
+    assert accelerator.init_handler.timeout.total_seconds() == 123
     default = compose_debug("unused")
     assert default.train.dist_timeout_s == DEFAULT_TIMEOUT_S == 7200
     with pytest.raises(ValueError, match=r"train.dist_timeout_s=0: .*positive"):
-        make_accelerator(compose_debug("unused", "train.dist_timeout_s=0"))
+        cfg = compose_debug("unused", "train.dist_timeout_s=0")
+        make_accelerator(cfg, tracking_settings(cfg))
 
 
 class ThreadRanks:

@@ -6,11 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from train.parallel.strategy import Strategy, check_processes, launch_strategy, strategy_ran
 
-CFG = OmegaConf.create({"replay": {"enabled": False}})
+PLAIN = {"replay": False, "optimizer": "adamw"}  # replay.enabled, optim.name
 # What `accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 2` exports.
 FSDP_ENV = {
     "WORLD_SIZE": "2",
@@ -27,33 +26,33 @@ FSDP_ENV = {
 
 
 def test_the_launch_names_the_strategy():
-    assert launch_strategy(CFG, {}) == Strategy("single", 1)
-    assert launch_strategy(CFG, {"WORLD_SIZE": "2"}) == Strategy("ddp", 2)
-    muon = OmegaConf.create({"optim": {"name": "muon"}})
-    assert launch_strategy(muon, {"WORLD_SIZE": "2"}) == Strategy("ddp", 2)  # Muon under DDP runs
-    fsdp = launch_strategy(CFG, FSDP_ENV)
+    assert launch_strategy(**PLAIN, env={}) == Strategy("single", 1)
+    assert launch_strategy(**PLAIN, env={"WORLD_SIZE": "2"}) == Strategy("ddp", 2)
+    muon = PLAIN | {"optimizer": "muon"}  # Muon under DDP runs
+    assert launch_strategy(**muon, env={"WORLD_SIZE": "2"}) == Strategy("ddp", 2)
+    fsdp = launch_strategy(**PLAIN, env=FSDP_ENV)
     assert (fsdp.kind, fsdp.world_size, fsdp.wrap_classes) == ("fsdp", 2, ("LlamaDecoderLayer",))
     assert fsdp.reshard_after_forward is True
-    no_wrap = launch_strategy(CFG, FSDP_ENV | {"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"})
+    no_wrap = launch_strategy(**PLAIN, env=FSDP_ENV | {"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"})
     assert no_wrap.wrap_classes == ()
 
 
 @pytest.mark.parametrize(
-    "change, cfg, reason",
+    "change, asked, reason",
     [
-        ({"FSDP_VERSION": "1"}, CFG, "set fsdp_config.fsdp_version: 2"),
-        ({"WORLD_SIZE": "1"}, CFG, "FSDP over one process shards nothing"),
-        ({"FSDP_OFFLOAD_PARAMS": "true"}, CFG, "set fsdp_offload_params: false"),
-        ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, CFG, "fsdp_activation_checkpointing: false"),
-        ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}, CFG, "written once as full state"),
-        ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, CFG, "fsdp_auto_wrap_policy SIZE_BASED"),
-        ({}, OmegaConf.create({"replay": {"enabled": True}}), "set replay.enabled=false"),
-        ({}, OmegaConf.create({"optim": {"name": "muon"}}), "optim=muon: Muon over FSDP2"),
+        ({"FSDP_VERSION": "1"}, PLAIN, "set fsdp_config.fsdp_version: 2"),
+        ({"WORLD_SIZE": "1"}, PLAIN, "FSDP over one process shards nothing"),
+        ({"FSDP_OFFLOAD_PARAMS": "true"}, PLAIN, "set fsdp_offload_params: false"),
+        ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, PLAIN, "fsdp_activation_checkpointing: false"),
+        ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}, PLAIN, "written once as full state"),
+        ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, PLAIN, "fsdp_auto_wrap_policy SIZE_BASED"),
+        ({}, PLAIN | {"replay": True}, "set replay.enabled=false"),
+        ({}, PLAIN | {"optimizer": "muon"}, "optim=muon: Muon over FSDP2"),
     ],
 )
-def test_an_fsdp_launch_the_run_cannot_honour_is_refused(change, cfg, reason):
+def test_an_fsdp_launch_the_run_cannot_honour_is_refused(change, asked, reason):
     with pytest.raises(ValueError, match="the launch asks for FSDP, which this run cannot") as err:
-        launch_strategy(cfg, FSDP_ENV | change)
+        launch_strategy(**asked, env=FSDP_ENV | change)
     assert reason in str(err.value)
 
 

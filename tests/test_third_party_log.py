@@ -62,13 +62,14 @@ def test_a_wandb_run_keeps_its_history_tables_off_the_console(tmp_path, monkeypa
 
     from tests.helpers import compose_debug
     from train.report.tracking import finish_tracking, init_tracking, tracker
+    from train.run.settings import tracking_settings
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = compose_debug(tmp_path, "logger=wandb")
-    accelerator = Accelerator(cpu=True, log_with=tracker(cfg))
-    init_tracking(accelerator, cfg, tmp_path)
+    tracking = tracking_settings(compose_debug(tmp_path, "logger=wandb"))
+    accelerator = Accelerator(cpu=True, log_with=tracker(tracking))
+    init_tracking(accelerator, tracking, tmp_path)
     accelerator.log({"loss": 1.0}, step=1)
-    finish_tracking(accelerator, cfg, {"final_eval": {"tau": 2.0, "speedup": 1.5}})
+    finish_tracking(accelerator, tracking, {"final_eval": {"tau": 2.0, "speedup": 1.5}})
     accelerator.end_training()
     console = capfd.readouterr()
     text = console.out + console.err

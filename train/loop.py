@@ -56,7 +56,7 @@ from train.run.init_from import check_init_from
 from train.run.machine import choose_autocast, share_threads
 from train.run.memory_plan import MemoryPlan, with_heldout_shapes
 from train.run.records import RunRecords, checkpoint_and_evaluate, evaluate_at, write_summary
-from train.run.settings import check_decode_context, check_settings
+from train.run.settings import check_decode_context, check_settings, tracking_settings
 from train.run.setup import (
     build_draft,
     feature_cache,
@@ -121,8 +121,12 @@ def run(cfg: DictConfig) -> dict:
 def train_run(cfg: DictConfig) -> dict:
     """`run` itself."""
     check_settings(cfg)  # every decode / replay / loop setting, before anything is loaded
-    strategy = launch_strategy(cfg)  # single / DDP / FSDP, or the launch refused with why
-    accelerator = make_accelerator(cfg)
+    # The values the rooms below take, read from the checked config once (docs/design.md §1)
+    tracking = tracking_settings(cfg)
+    replay_on = cfg.get("replay") is not None and bool(cfg.replay.enabled)
+    # single / DDP / FSDP, or the launch refused with why
+    strategy = launch_strategy(replay_on, str(cfg.optim.get("name", "adamw")))
+    accelerator = make_accelerator(cfg, tracking)
     memory = PhaseMemory(accelerator.device)  # peak RSS per phase: summary.json's memory
     check_processes(strategy, accelerator)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes  # fmt: skip
@@ -216,7 +220,7 @@ def train_run(cfg: DictConfig) -> dict:
         save_hydra_record(run_dir, cfg)
     route_third_party_output(run_dir)  # inductor's autotuning tables, warnings: a log file
     log = RunLog(run_dir, accelerator, start_step if resume_from is not None else None)
-    init_tracking(accelerator, cfg, run_dir)
+    init_tracking(accelerator, tracking, run_dir)
     records = RunRecords.resumed(
         log.earlier, resume_from, rows_consumed=resumed.rows_consumed if resumed else 0,
         schedule=sched, identity=run_identity(cfg, target, core),
@@ -303,6 +307,6 @@ def train_run(cfg: DictConfig) -> dict:
             "memory": measured_memory(plan, memory),  # the plan beside the peak
         }
         summary = write_summary(cfg, run_dir, summary, records)
-        finish_tracking(accelerator, cfg, summary)
+        finish_tracking(accelerator, tracking, summary)
     accelerator.end_training()
     return summary

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -71,9 +70,10 @@ def _flag(env: Mapping[str, str], key: str, default: str = "false") -> bool:
     return env.get(key, default).strip().lower() == "true"
 
 
-def launch_strategy(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> Strategy:
+def launch_strategy(replay: bool, optimizer: str, env: Mapping[str, str] = os.environ) -> Strategy:
     """The strategy the launch asks for, or a ValueError naming every FSDP setting this run
-    cannot honour (before anything is loaded)."""
+    cannot honour (before anything is loaded). `replay`: replay.enabled; `optimizer`:
+    optim.name."""
     world = int(env.get("WORLD_SIZE", "1"))
     if not _flag(env, "ACCELERATE_USE_FSDP"):
         return Strategy("ddp" if world > 1 else "single", world)
@@ -98,11 +98,11 @@ def launch_strategy(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> Str
     if policy not in ("NO_WRAP", "TRANSFORMER_BASED_WRAP"):
         problems.append(f"fsdp_auto_wrap_policy {policy}: set TRANSFORMER_BASED_WRAP (the "
                         "classes of fsdp_transformer_layer_cls_to_wrap) or NO_WRAP")  # fmt: skip
-    if cfg.get("replay") is not None and cfg.replay.enabled:
+    if replay:
         problems.append("replay.enabled=true: each rank decodes its own rollouts with the "
                         "draft, which a sharded draft cannot do alone; set "
                         "replay.enabled=false or launch with conf/accelerate/ddp.yaml")  # fmt: skip
-    if cfg.get("optim") is not None and cfg.optim.get("name", "adamw") == "muon":
+    if optimizer == "muon":
         # Muon orthogonalises each weight matrix whole; under FSDP2 a rank holds row shards
         # (DTensors), which this project has not run Muon over: refused rather than guessed.
         problems.append("optim=muon: Muon over FSDP2's sharded matrices is not supported "

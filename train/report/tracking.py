@@ -1,6 +1,7 @@
 """W&B for training runs: offline unless a key is configured, run names/groups/tags derived
 from the run directory, and the flat final numbers put into each run's summary (so W&B's own
-table and parallel coordinates compare runs).
+table and parallel coordinates compare runs). What it logs with, `TrackingSettings`, the
+set-up reads from the config once (train/run/settings.py: tracking_settings).
 """
 
 from __future__ import annotations
@@ -8,13 +9,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from accelerate import Accelerator
-from omegaconf import DictConfig, OmegaConf
 
 from train.disk import write_atomic
 from train.report.runs import eval_tags, flatten
+
+
+@dataclass(frozen=True)
+class TrackingSettings:
+    """cfg.logger (conf/logger/*.yaml) and the run's resolved config, which W&B records and
+    names the run from (`wandb_run_settings`)."""
+
+    kind: str  # logger.kind: "wandb" or "none"
+    project: str | None = None  # logger.project
+    entity: str | None = None  # logger.entity; None: W&B's default
+    run_config: dict = field(default_factory=dict)  # the whole config, resolved (W&B only)
 
 
 def setup_wandb_env() -> None:
@@ -27,26 +39,24 @@ def setup_wandb_env() -> None:
         os.environ["WANDB_MODE"] = "offline"
 
 
-def data_mode(data: dict | DictConfig) -> str:
+def data_mode(data: dict) -> str:
     """'embedded-regen', 'chat.jsonl-orig': where the data came from and who answered it."""
     source = str(data.get("source", "embedded"))
     name = PurePosixPath(source.rstrip("/")).name or source
     return f"{name}-{'regen' if data.get('regenerate', True) else 'orig'}"
 
 
-def wandb_run_settings(cfg: DictConfig | dict) -> dict:
+def wandb_run_settings(config: dict) -> dict:
     """W&B `name`, `group`, `tags` of a run and the `summary_keys` wandb_summary will fill.
 
     group = runs that differ only in seed: the experiment name plus the overrides that
     conf/train.yaml puts into run_dir (runs/<name>/<overrides>/seed<N>); a run_dir outside
     that scheme groups by draft kind, loss and data mode instead. Tags make every axis
-    filterable in W&B's run table."""
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    flat = flatten(cfg)
+    filterable in W&B's run table. `config`: a run's resolved config."""
+    flat = flatten(config)
     exp, seed = str(flat.get("name")), int(flat.get("seed") or 0)
     kind, loss = str(flat.get("draft.kind")), str(flat.get("loss.name"))
-    data = data_mode(cfg.get("data") or {})
+    data = data_mode(config.get("data") or {})
     parts = PurePosixPath(str(flat.get("run_dir"))).parts
     if parts and parts[-1] == f"seed{seed}" and exp in parts[:-1]:
         at = len(parts) - 2 - parts[:-1][::-1].index(exp)  # the last `exp` before seed<N>
@@ -93,32 +103,32 @@ def wandb_summary(summary: dict) -> dict[str, float | None]:
     return out
 
 
-def tracker(cfg: DictConfig) -> str | None:
-    """accelerate's `log_with` for cfg.logger.kind: "wandb" (offline unless a key is
+def tracker(tracking: TrackingSettings) -> str | None:
+    """accelerate's `log_with` for logger.kind: "wandb" (offline unless a key is
     configured) or None."""
-    if cfg.logger.kind == "wandb":
+    if tracking.kind == "wandb":
         setup_wandb_env()
         return "wandb"
-    if cfg.logger.kind != "none":
-        raise ValueError(f"logger.kind must be 'wandb' or 'none', got {cfg.logger.kind!r}")
+    if tracking.kind != "none":
+        raise ValueError(f"logger.kind must be 'wandb' or 'none', got {tracking.kind!r}")
     return None
 
 
-def init_tracking(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) -> None:
+def init_tracking(accelerator: Accelerator, tracking: TrackingSettings, run_dir: Path) -> None:
     """Start the W&B run: group = runs differing only in seed; tags = kind, loss, data."""
-    if cfg.logger.kind != "wandb":
+    if tracking.kind != "wandb":
         return
-    wb = wandb_run_settings(cfg)
+    wb = wandb_run_settings(tracking.run_config)
     accelerator.init_trackers(
-        cfg.logger.project,
-        config=OmegaConf.to_container(cfg, resolve=True),
+        tracking.project,
+        config=tracking.run_config,
         init_kwargs={
             "wandb": {
                 "name": wb["name"],
                 "group": wb["group"],
                 "tags": wb["tags"],
                 "dir": str(run_dir),
-                "entity": cfg.logger.get("entity"),
+                "entity": tracking.entity,
                 # no run-history and summary tables on the console at the end (~30 lines):
                 # they are in the run's files and W&B; where the run is saved is still said
                 "settings": {"quiet": True},
@@ -127,9 +137,9 @@ def init_tracking(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) -> N
     )
 
 
-def finish_tracking(accelerator: Accelerator, cfg: DictConfig, summary: dict) -> None:
+def finish_tracking(accelerator: Accelerator, tracking: TrackingSettings, summary: dict) -> None:
     """Final τ, speedup and α_i into W&B's own run table."""
-    if cfg.logger.kind == "wandb" and summary:
+    if tracking.kind == "wandb" and summary:
         accelerator.get_tracker("wandb", unwrap=True).summary.update(wandb_summary(summary))
 
 

@@ -32,6 +32,7 @@ from train.data.prompt_file import spread
 from train.data.regen_openai import check_backend_settings
 from train.data.sources import check_source
 from train.losses.divergences import LossSpec
+from train.report.tracking import TrackingSettings
 from train.run.init_from import detect_format
 
 
@@ -315,3 +316,17 @@ def check_settings(cfg: DictConfig) -> None:
         )
     if cfg.get("replay") is not None and cfg.replay.enabled:
         check_replay(cfg.replay)
+
+
+def tracking_settings(cfg: DictConfig) -> TrackingSettings:
+    """What train/report/tracking.py logs with: cfg.logger and, for W&B, the run's resolved
+    config (resolved only then: `${hydra:...}` needs a Hydra run, which a composed config
+    without a logger, in tests or scripts, lacks)."""
+    logger = cfg.logger
+    wandb = logger.kind == "wandb"
+    return TrackingSettings(
+        kind=logger.kind,
+        project=logger.get("project"),
+        entity=logger.get("entity"),
+        run_config=OmegaConf.to_container(cfg, resolve=True) if wandb else {},
+    )

@@ -31,7 +31,7 @@ from train.eval.heldout import HeldOut, heldout_rows
 from train.parallel.ranks import Ranks, dist_timeout
 from train.parallel.strategy import Strategy
 from train.phase_memory import process_memory
-from train.report.tracking import tracker
+from train.report.tracking import TrackingSettings, tracker
 from train.run.identity import read_identity
 from train.run.init_from import init_draft_from
 from train.run.machine import PROBE_TOKENS, target_dtype
@@ -83,11 +83,12 @@ def load_target(
     return instantiate(cfg.target, dtype=choice.dtype, device=str(device)), choice, plan
 
 
-def make_accelerator(cfg: DictConfig) -> Accelerator:
+def make_accelerator(cfg: DictConfig, tracking: TrackingSettings) -> Accelerator:
     """train.bf16: true -> accelerate's bf16 autocast; "auto" -> the same on CUDA, and on a
     CPU the measured choice (train/run/machine.py), applied by train_step itself. device=cuda:N
     makes GPU N current (train.run.settings.gpu_index). Every collective of a multi-process run
-    waits at most train.dist_timeout_s (train/parallel/ranks.py)."""
+    waits at most train.dist_timeout_s (train/parallel/ranks.py). `tracking`: the logger
+    (train/report/tracking.py)."""
     device = str(cfg.device)
     index = gpu_index(device, int(os.environ.get("WORLD_SIZE", "1")))
     if index is not None:  # accelerate's single process runs on "cuda", the current GPU
@@ -97,7 +98,7 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
     mixed = "bf16" if bf16 is True or (bf16 == "auto" and not cpu) else "no"
     timeout = InitProcessGroupKwargs(timeout=dist_timeout(cfg.train.get("dist_timeout_s")))
     return Accelerator(
-        cpu=cpu, mixed_precision=mixed, log_with=tracker(cfg), kwargs_handlers=[timeout]
+        cpu=cpu, mixed_precision=mixed, log_with=tracker(tracking), kwargs_handlers=[timeout]
     )
 
 
