@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from train.core.checkpoint import restore_trainer_state, resume_checkpoint, resume_setting
 from train.core.optimizers import build_optimizer, optimizer_settings
-from train.core.schedule import global_rows, lr_lambda, rank_chunks, schedule_settings
+from train.core.schedule import global_rows, lr_lambda, rank_chunks
 from train.core.step import StepResult, StepSetup, TrainingDiverged, train_step
 from train.core.step_stats import StepWindow, proxy_tags
 from train.data.prepare import collate, prepare_data
@@ -51,7 +51,7 @@ from train.run.files import (
     save_hydra_record,
     write_eval_prompts,
 )
-from train.run.identity import Resumed, check_resume, run_identity
+from train.run.identity import Resumed, check_resume, run_identity, schedule_settings
 from train.run.init_from import check_init_from
 from train.run.machine import choose_autocast, share_threads
 from train.run.memory_plan import MemoryPlan, with_heldout_shapes

@@ -344,7 +344,7 @@ def trainer_state(
     """What a resumed run needs to continue exactly: the step and data position (rows of the
     seeded stream consumed: train/core/schedule.py), optimizer state (`strategy` "fsdp": the full
     state keyed by parameter name, train/parallel/strategy.py) and LR scheduler with the settings of
-    its schedule (train/core/schedule.py: schedule_settings), every rank's RNG states and replay
+    its schedule (train/run/identity.py: schedule_settings), every rank's RNG states and replay
     buffers, and the training seconds spent (a time budget's clock)."""
     return {
         "step": step,

@@ -5,8 +5,8 @@ One optimizer step = `grad_accum` micro-batches of `batch_size` rows on every ra
 global batch (batch_size x world_size x grad_accum rows) is cut from one seeded stream of row
 indices (a fresh permutation per epoch), rank r taking its slice, so 2 ranks x 2 rows see
 exactly the rows of 1 rank x 4 rows, and the rows of any step follow from the number of rows
-consumed before it. The LR schedule is built from `schedule_settings`, saved with each
-checkpoint.
+consumed before it. The LR schedule (`lr_lambda`) is built from the settings the set-up reads
+(train/run/identity.py: schedule_settings), saved with each checkpoint.
 """
 
 from __future__ import annotations
@@ -67,14 +67,3 @@ def lr_lambda(
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn
-
-
-def schedule_settings(cfg) -> dict:
-    """What `lr_lambda` is built from (cfg: the run config). Saved in every checkpoint, so a
-    resumed run keeps the schedule it started with whatever its train.steps or time budget."""
-    return {
-        "warmup_steps": int(cfg.optim.warmup_steps),
-        "steps": int(cfg.train.steps),
-        "min_lr_ratio": float(cfg.optim.min_lr_ratio),
-        "time_budget_s": cfg.train.get("time_budget_s"),
-    }

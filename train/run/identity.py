@@ -39,7 +39,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from models.target import Target
-from train.core.schedule import schedule_settings
 from train.data.chat import resolve_chat_template
 
 IDENTITY_FILE = "identity.json"
@@ -81,11 +80,23 @@ class Resumed:
     """What a resumed run continues from (trainer_state.pt) and what it was told."""
 
     rows_consumed: int
-    schedule: dict  # train/core/schedule.py: schedule_settings, as the run started
+    schedule: dict  # `schedule_settings`, as the run started
     notes: list[str] = field(default_factory=list)
     # The dtype the target ran in: a target.dtype=auto run keeps it instead of measuring again
     # (another verdict would change the features the draft reads mid-run).
     target_dtype: str | None = None
+
+
+def schedule_settings(cfg: DictConfig) -> dict:
+    """What the LR schedule (train/core/schedule.py: lr_lambda) is built from. Saved in every
+    checkpoint, so a resumed run keeps the schedule it started with whatever its train.steps
+    or time budget."""
+    return {
+        "warmup_steps": int(cfg.optim.warmup_steps),
+        "steps": int(cfg.train.steps),
+        "min_lr_ratio": float(cfg.optim.min_lr_ratio),
+        "time_budget_s": cfg.train.get("time_budget_s"),
+    }
 
 
 def _sha(text: str) -> str:
