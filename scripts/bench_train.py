@@ -34,10 +34,11 @@ from omegaconf import OmegaConf
 
 from models.dtype_choice import machine_key
 from train.core.schedule import global_rows, rank_chunks
-from train.core.step import StepSetup, train_step
+from train.core.step import train_step
 from train.data.prepare import collate, prepare_data
 from train.phase_memory import give_back_freed
-from train.run.setup import preflight
+from train.run.settings import eval_settings
+from train.run.setup import preflight, step_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_DTYPES = ("float32", "bfloat16")
@@ -59,7 +60,7 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[*args.overrides, "logger=none", "device=cpu"])
     accelerator = Accelerator(cpu=True, mixed_precision="no")
-    tc = cfg.train
+    tc, decode_samplings = cfg.train, eval_settings(cfg).samplings
     target = instantiate(cfg.target, dtype="float32")
     prepared = prepare_data(target, **OmegaConf.to_container(cfg.data, resolve=True))
     rows = prepared.train.select_columns(["input_ids", "loss_mask"])
@@ -73,7 +74,7 @@ def main() -> None:
         copy_ = instantiate(cfg.target, dtype=target_name)  # loaded as a run loads it
         draft = instantiate(cfg.draft.model, target=copy_, token_counts=prepared.token_counts)
         offsets = preflight(draft, copy_, torch.tensor(rows[0]["input_ids"]))
-        base = StepSetup.from_config(cfg, offsets)
+        base = step_setup(cfg, offsets, decode_samplings)
         params = [p for p in draft.parameters() if p.requires_grad]
         for autocast in (False, True):
             setup = replace(base, autocast=autocast)

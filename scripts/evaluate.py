@@ -83,7 +83,12 @@ from train.formats.export import checkpoint_config, load_target
 from train.run.files import read_eval_prompts, route_third_party_output
 from train.run.identity import evaluate_differences, refusal
 from train.run.init_from import detect_format, init_draft_from
-from train.run.settings import check_decode, check_decode_context, check_draft_decode
+from train.run.settings import (
+    check_decode,
+    check_decode_context,
+    check_draft_decode,
+    eval_settings,
+)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -304,21 +309,22 @@ def main(argv: list[str] | None = None) -> dict:
         draft = imported_draft(cfg, args.init_from, target)
     else:
         draft = load_draft(ckpt, target).eval()
-    dec = cfg.decode
-    num = len(spread(eval_prompts, dec.get("num_prompts")))  # those train/eval/plan.py decodes
-    tree = dec.get("tree")
-    shape = f"{tree.kind} tree" if tree is not None else f"chain k={dec.k}"
+    settings = eval_settings(cfg)  # what train/eval/ decodes with, as a run's evaluation
+    num = len(spread(eval_prompts, settings.num_prompts))  # those train/eval/plan.py decodes
+    tree = settings.tree
+    shape = f"{tree.kind} tree" if tree is not None else f"chain k={settings.k}"
     progress(
         f"decoding {num} prompts from {source}, {shape}, temperatures "
-        f"{list(dec.temperatures)}, {dec.max_new_tokens} new tokens, {dec.dtype}, AR and "
-        "speculative side by side"
+        f"{list(settings.temperatures)}, {settings.max_new_tokens} new tokens, {settings.dtype}, "
+        "AR and speculative side by side"
     )
     log_dir = ckpt.parent.parent if ckpt else (args.out.parent if args.out else None)
     if log_dir is not None:  # autotuning tables, library warnings: the run's third_party.log
         log_dir.mkdir(parents=True, exist_ok=True)
         route_third_party_output(log_dir)
     t0 = time.perf_counter()
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts, cfg, None)  # no training record
+    # no training record: no proxy beside the decode
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts, settings, None)
     meta = ckpt / "meta.json" if ckpt else None  # step and train_s, as a run's eval records
     meta = json.loads(meta.read_text()) if meta and meta.is_file() else {}
     result["step"], result["train_s"] = meta.get("step"), meta.get("train_s")

@@ -38,7 +38,7 @@ from tests.helpers import (
     untied_target,
 )
 from train.eval.evaluate import evaluate_checkpoint, format_eval_table
-from train.run.settings import check_decode
+from train.run.settings import check_decode, eval_settings
 
 
 @pytest.fixture(scope="module")
@@ -304,14 +304,14 @@ def test_evaluate_checkpoint_keeps_the_graphs_between_checkpoints(target, monkey
         return real_generate(decode_target, prompt, drafter, *args, probe=probe, **kwargs)
 
     monkeypatch.setattr(decoding.metrics, "generate", recording_generate)
-    cfg = eval_cfg()
+    settings = eval_settings(eval_cfg())
     eval_prompts = [{"input_ids": p[0].tolist()} for p in prompts(2, seed=11)]
     random_draft = draft_lm.from_target(target, num_layers=2, init="random")
     perfect = draft_lm.from_target(target, num_layers=2, init="target")  # the target itself
-    first, copies = evaluate_checkpoint(target, random_draft, eval_prompts, cfg, None)
+    first, copies = evaluate_checkpoint(target, random_draft, eval_prompts, settings, None)
     assert first["compiled_graphs"] > 0 and first["decode_path"] == "compiled"
     assert first["greedy/tau_eager_spec"] == first["greedy/tau"]
-    second, _ = evaluate_checkpoint(target, perfect, eval_prompts, cfg, None, copies)
+    second, _ = evaluate_checkpoint(target, perfect, eval_prompts, settings, None, copies)
     assert second["compiled_graphs"] == 0 and second["compile_s"] == 0.0
     assert second["greedy/tau_eager_spec"] == second["greedy/tau"] > first["greedy/tau"] + 1
     table = format_eval_table([first, second])

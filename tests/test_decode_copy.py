@@ -16,6 +16,7 @@ from models.dtypes import draft_decode_copy
 from models.target import Target, decode_copy
 from models.target_loaders import build_tiny_random
 from train.eval.evaluate import evaluate_checkpoint
+from train.run.settings import eval_settings
 
 BF16 = torch.bfloat16
 
@@ -139,13 +140,14 @@ def test_evaluation_reports_the_proxy_of_its_own_sampling(fp32_target):
     )  # fmt: skip
     prompts = [{"input_ids": [1, 4, 40, 50, 60]}]
     proxy = {"sim_tau": 9.0, "sim_tau_greedy": 1.5, "sim_tau_T0.7": 2.5}
-    result, _ = evaluate_checkpoint(fp32_target, draft, prompts, cfg, proxy)
+    settings = eval_settings(cfg)
+    result, _ = evaluate_checkpoint(fp32_target, draft, prompts, settings, proxy)
     assert result["greedy/proxy_tau"] == 1.5
     assert result["T0.7/proxy_tau"] == 2.5  # not the loss-temperature sim_tau
     assert result["T0.7/proxy_error"] == pytest.approx(2.5 - result["T0.7/tau"])
     # A train record without this temperature's proxy (written before it was configured):
     # no number rather than another temperature's.
-    result, _ = evaluate_checkpoint(fp32_target, draft, prompts, cfg, {"sim_tau_greedy": 1.5})
+    result, _ = evaluate_checkpoint(fp32_target, draft, prompts, settings, {"sim_tau_greedy": 1.5})
     assert "T0.7/proxy_tau" not in result and "T0.7/tau" in result
 
 
@@ -180,7 +182,7 @@ def test_a_draft_in_another_dtype_than_the_target_decodes_losslessly(
         }
     )  # fmt: skip
     prompts = [{"input_ids": [1, 4, 40, 50, 60]}, {"input_ids": [1, 7, 9, 70, 3, 22]}]
-    result, copies = evaluate_checkpoint(fp32_target, draft, prompts, cfg, None)
+    result, copies = evaluate_checkpoint(fp32_target, draft, prompts, eval_settings(cfg), None)
     assert result["dtypes"]["draft"]["dtype"] == draft_dtype
     assert result["dtypes"]["draft"]["source"] == "explicit"
     assert copies.target.dtype == BF16

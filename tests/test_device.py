@@ -24,7 +24,8 @@ from decoding.tree import TreeSpec
 from models import dflash, domino, draft_lm, eagle, medusa, mtp
 from tests.fake_device import DEVICE, OnDevice, fake_device
 from tests.helpers import TINY_CPU_RUN, V, compose_train, left_pad, untied_target
-from train.core.step import StepSetup, StepStats, aux_loss, offset_losses
+from train.core.step import StepStats, aux_loss, offset_losses
+from train.core.step_stats import decode_samplings
 from train.run import setup as run_setup
 from train.run.settings import gpu_index, tracking_settings
 
@@ -91,7 +92,7 @@ def train_grads(kind: str, device: torch.device, strict) -> dict:
             t_out = target(b["input_ids"], attention_mask=b["attention_mask"],
                            hidden_layers=tuple(draft.hidden_layers), use_cache=False)  # fmt: skip
         out = draft(target, b["input_ids"], t_out, b["attention_mask"], b["loss_mask"])
-        setup = StepSetup.from_config(cfg, out.offsets)
+        setup = run_setup.step_setup(cfg, out.offsets, decode_samplings(**cfg.decode))
         counts = torch.stack([b["loss_mask"][:, off:].sum() for off in out.offsets]).float()
         stats = StepStats.zeros(len(out.offsets), len(setup.samplings), device)
         loss = offset_losses(out, t_out.logits, b, counts, setup, stats)

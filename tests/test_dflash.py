@@ -22,7 +22,9 @@ from models.protocol import DraftOutput
 from models.target import TargetOutput
 from models.target_loaders import build_tiny_random
 from tests.test_spec import make_target, prompt_ids
-from train.core.step import StepSetup, StepStats, offset_losses
+from train.core.step import StepStats, offset_losses
+from train.core.step_stats import decode_samplings
+from train.run.setup import step_setup
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +90,7 @@ def step_loss(out, target_logits, ids, loss_mask=None, cfg=None):
     loss_mask = torch.ones_like(ids) if loss_mask is None else loss_mask
     batch = {"input_ids": ids, "loss_mask": loss_mask}
     counts = torch.tensor([float(loss_mask[:, off:].sum()) for off in out.offsets])
-    setup = StepSetup.from_config(cfg, out.offsets)
+    setup = step_setup(cfg, out.offsets, decode_samplings(**cfg.decode))
     stats = StepStats.zeros(len(out.offsets), len(setup.samplings))
     total = offset_losses(out, target_logits, batch, counts, setup, stats)
     return total, stats, counts

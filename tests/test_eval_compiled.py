@@ -25,6 +25,8 @@ from models.target import Target
 from tests.helpers import untied_target
 from tests.test_compiled import eval_cfg, prompts
 from train.eval.evaluate import evaluate_checkpoint
+from train.eval.settings import EvalSettings
+from train.run.settings import eval_settings
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,8 @@ def test_compile_only_is_the_evaluation_against_both_ars(target, monkeypatch, tm
     faster of the two; `loop_efficiency` is the speedup over the predicted one."""
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path, "only"), None)
+    settings = auto_settings(tmp_path, "only")
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
     timed = calls[-6:]  # after the warm-up prompt: 2 prompts x 3 decodes
     assert sorted(set(calls)) == [("compiled", False), ("compiled", True), ("eager", False)]
     assert timed == [("eager", False), ("compiled", False), ("compiled", True)] * 2
@@ -104,10 +107,11 @@ def fake_forward_seconds(monkeypatch, eager_s: float, compiled_s: float) -> list
     return asked
 
 
-def auto_cfg(cache_dir, compile="auto"):
-    cfg = eval_cfg(compile=compile)
+def auto_settings(cache_dir, compile="auto", **decode) -> EvalSettings:
+    """`eval_cfg`'s settings with verdicts cached in `cache_dir` (data.cache_dir)."""
+    cfg = eval_cfg(compile=compile, **decode)
     cfg.data = {"cache_dir": str(cache_dir)}
-    return cfg
+    return eval_settings(cfg)
 
 
 def records(cache_dir, use: str) -> list[dict]:
@@ -125,15 +129,16 @@ def test_compile_auto_decodes_what_only_recorded(target, monkeypatch, tmp_path, 
     asked = fake_forward_seconds(monkeypatch, *((0.2, 0.1) if faster == "compiled" else (0.1, 0.2)))
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    first, copies = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
+    auto, only = auto_settings(tmp_path), auto_settings(tmp_path, "only")
+    first, copies = evaluate_checkpoint(target, draft, eval_prompts(), auto, None)
     assert (first["dtypes"]["compile"]["dtype"], first["dtypes"]["compile"]["source"]) == (
         "eager", "unmeasured")  # fmt: skip
     assert asked == [] and {p for p, _ in calls} == {"eager"} and copies.compiled is None
     assert records(tmp_path, "compile") == records(tmp_path, "compile_s") == []
 
-    only, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path, "only"), None)
-    assert only["decode_path"] == "compiled"
-    choice = only["dtypes"]["compile"]
+    compiled, _ = evaluate_checkpoint(target, draft, eval_prompts(), only, None)
+    assert compiled["decode_path"] == "compiled"
+    choice = compiled["dtypes"]["compile"]
     assert (choice["dtype"], choice["source"]) == (faster, "measured")
     assert choice["seconds"] == ({"eager": 0.2, "compiled": 0.1} if faster == "compiled"
                                  else {"eager": 0.1, "compiled": 0.2})  # fmt: skip
@@ -148,7 +153,7 @@ def test_compile_auto_decodes_what_only_recorded(target, monkeypatch, tmp_path, 
     asked.clear()  # a later run on this machine: the recorded verdict, nothing measured
     calls.clear()
     torch._dynamo.reset()
-    again, copies = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
+    again, copies = evaluate_checkpoint(target, draft, eval_prompts(), auto, None)
     assert again["dtypes"]["compile"]["source"] == "cached" and asked == []
     assert again["dtypes"]["compile"]["dtype"] == faster
     assert {path for path, speculative in calls if speculative} == {faster}
@@ -158,7 +163,7 @@ def test_compile_auto_decodes_what_only_recorded(target, monkeypatch, tmp_path, 
 
     other = {**models.dtype_choice.machine_key(), "cpu": "another CPU"}
     monkeypatch.setattr(models.dtype_choice, "machine_key", lambda: other)
-    third, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path), None)
+    third, _ = evaluate_checkpoint(target, draft, eval_prompts(), auto, None)
     assert third["dtypes"]["compile"]["source"] == "unmeasured" and asked == []
 
 
@@ -183,17 +188,17 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
     monkeypatch.setattr(train.eval.plan, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
     monkeypatch.setattr(models.few_rows, "time_forward", lambda t, dtype, *a, **kw: eager[dtype])
     monkeypatch.setattr(train.eval.plan, "compiled_forward_seconds", fake_compiled)
-    dec = eval_cfg(compile=path, dtype="auto").decode
-    copies = train.eval.plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
+    settings = auto_settings(tmp_path, path, dtype="auto")
+    copies = train.eval.plan.decode_copies(target, settings, eval_prompts())
     assert copies.dtypes["decode"]["dtype"] == want
     assert copies.dtypes["ar"]["dtype"] == "bfloat16"
-    width, layers = int(dec.k) + 1, train.eval.plan.PROXY_LAYERS
+    width, layers = settings.k + 1, train.eval.plan.PROXY_LAYERS
     assert asked == (
         [] if path != "only" else [(torch.float32, width, layers), (torch.bfloat16, width, layers)]
     )
     if path == "only":  # auto on this machine now reads the compiled verdict, timing nothing
-        auto = eval_cfg(compile="auto", dtype="auto").decode
-        again = train.eval.plan.decode_copies(target, auto, None, eval_prompts(), str(tmp_path))
+        auto = auto_settings(tmp_path, "auto", dtype="auto")
+        again = train.eval.plan.decode_copies(target, auto, eval_prompts())
         assert (again.dtypes["decode"]["dtype"], again.dtypes["decode"]["source"]) == (
             "float32", "cached")  # fmt: skip
         assert len(asked) == 2
@@ -227,7 +232,8 @@ def test_compile_auto_weighs_the_recorded_compile_seconds(target, monkeypatch, t
     sampling and one verify per new token at every sampling."""
     fake_forward_seconds(monkeypatch, 0.2, 0.1)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    evaluate_checkpoint(target, draft, eval_prompts(), auto_cfg(tmp_path, "only"), None)  # records
+    only = auto_settings(tmp_path, "only")
+    evaluate_checkpoint(target, draft, eval_prompts(), only, None)  # records
     (cost_file,) = [f for f in (tmp_path / "dtype").glob("*.json")
                     if json.loads(f.read_text())["key"]["use"] == "compile_s"]  # fmt: skip
     forwards = 12 * 3 * 1 * 2  # max_new_tokens x (two ARs + a verify) x temperatures x prompts
@@ -236,7 +242,7 @@ def test_compile_auto_weighs_the_recorded_compile_seconds(target, monkeypatch, t
         torch._dynamo.reset()
         calls = recorded_decodes(monkeypatch)
         result, copies = evaluate_checkpoint(
-            target, draft, eval_prompts(), auto_cfg(tmp_path), None
+            target, draft, eval_prompts(), auto_settings(tmp_path), None
         )  # fmt: skip
         choice = result["dtypes"]["compile"]
         assert choice["dtype"] == want
@@ -259,9 +265,8 @@ def test_every_sampling_decodes_its_own_ars_prompt_by_prompt(target, monkeypatch
     speedup divides by an AR decoded at another sampling or another time."""
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    cfg = auto_cfg(tmp_path, "only")
-    cfg.decode.temperatures = [0.9, 0.0]
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
+    settings = auto_settings(tmp_path, "only", temperatures=[0.9, 0.0])
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
     per_prompt = [("eager", False), ("compiled", False), ("compiled", True)]
     assert calls == per_prompt * 3 * 2  # (warm-up + 2 prompts) x 2 samplings
     for tag in ("greedy", "T0.9"):
@@ -281,8 +286,8 @@ def test_eager_path_decodes_an_ar_at_every_sampling(target, monkeypatch):
 
     calls = recorded_decodes(monkeypatch)
     draft = draft_lm.from_target(target, num_layers=2, init="random")
-    cfg = eval_cfg(compile=False, temperatures=[0.9, 0.0])
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
+    settings = eval_settings(eval_cfg(compile=False, temperatures=[0.9, 0.0]))
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
     assert calls == [("eager", False), ("eager", True)] * 3 * 2
     assert result["T0.9/speedup"] == pytest.approx(
         result["T0.9/tokens_per_s"] / result["T0.9/ar_tokens_per_s"]

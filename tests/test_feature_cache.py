@@ -14,8 +14,10 @@ from models.target import Target
 from models.target_loaders import build_tiny_random
 from tests.helpers import TINY_CPU_RUN, compose_train, metrics_records
 from train.core.checkpoint import load_checkpoint
-from train.core.step import StepSetup, StepStats, aux_loss, offset_losses
+from train.core.step import StepStats, aux_loss, offset_losses
 from train.data.prepare import collate
+from train.run.settings import eval_settings
+from train.run.setup import step_setup
 
 
 def _cfg(*overrides: str):
@@ -40,7 +42,7 @@ def _loss_and_grads(cfg, draft, target, batch, t_out):
     """One micro-batch of the loop: draft forward, offset losses + aux, backward."""
     draft.zero_grad(set_to_none=True)
     out = draft(target, batch["input_ids"], t_out, batch["attention_mask"], batch["loss_mask"])
-    setup = StepSetup.from_config(cfg, out.offsets)
+    setup = step_setup(cfg, out.offsets, eval_settings(cfg).samplings)
     counts = torch.tensor([float(batch["loss_mask"][:, o:].sum()) for o in setup.offsets])
     stats = StepStats.zeros(len(setup.offsets), len(setup.samplings))
     loss = offset_losses(out, t_out.logits, batch, counts, setup, stats)

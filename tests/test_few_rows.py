@@ -3,6 +3,8 @@ machine by timing (train/eval/plan.py), for decoding alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +14,7 @@ import train.eval.plan
 from models import draft_lm
 from models.few_rows import MAX_ROWS, FewRowsLinear, choose_layouts, few_rows_products
 from tests.helpers import untied_target
-from tests.test_eval_compiled import auto_cfg, eval_prompts
+from tests.test_eval_compiled import auto_settings, eval_prompts
 from train.eval.evaluate import evaluate_checkpoint
 
 
@@ -103,9 +105,8 @@ def test_an_eager_evaluation_decodes_in_the_layout_recorded_then_gives_the_targe
         FewRowsLinear, "forward", lambda self, x: seen.append(1) or real_forward(self, x)
     )
     draft = draft_lm.from_target(target, num_layers=1, init="random")
-    cfg = auto_cfg(tmp_path, False)
-    cfg.decode.linear_layout = "auto"
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
+    settings = auto_settings(tmp_path, False, linear_layout="auto")
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
     assert result["dtypes"]["layout"]["dtype"] == "transposed"
     assert seen, "the decode never ran a transposed product"
     assert result["greedy/greedy_match_rate"] == 1.0
@@ -118,17 +119,16 @@ def test_an_explicit_layout_is_decoded_without_timing_and_a_wrong_one_refused(
     target = untied_target(device="cpu")
     monkeypatch.setattr(train.eval.plan, "choose_layouts", lambda *a: pytest.fail("timed"))
     draft = draft_lm.from_target(target, num_layers=1, init="random")
-    cfg = auto_cfg(tmp_path, False)
-    cfg.decode.linear_layout = "transposed"
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
+    settings = auto_settings(tmp_path, False, linear_layout="transposed")
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
     assert (result["dtypes"]["layout"]["dtype"], result["dtypes"]["layout"]["source"]) == (
         "transposed", "explicit")  # fmt: skip
-    cfg.decode.linear_layout = "plain"
-    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
+    settings = replace(settings, linear_layout="plain")
+    result, _ = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
     assert "layout" not in result["dtypes"]
-    cfg.decode.linear_layout = "sideways"
+    settings = replace(settings, linear_layout="sideways")
     with pytest.raises(ValueError, match="decode.linear_layout='sideways': use auto, plain"):
-        evaluate_checkpoint(target, draft, eval_prompts(), cfg, None)
+        evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
 
 
 def test_an_eager_dtype_is_judged_at_its_faster_layout(monkeypatch, tmp_path):
@@ -146,12 +146,11 @@ def test_an_eager_dtype_is_judged_at_its_faster_layout(monkeypatch, tmp_path):
 
     monkeypatch.setattr(train.eval.plan, "time_forward", fake)
     monkeypatch.setattr(models.few_rows, "time_forward", fake)
-    dec = auto_cfg(tmp_path, False).decode
-    dec.dtype, dec.linear_layout = "auto", "auto"
-    copies = train.eval.plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
+    settings = auto_settings(tmp_path, False, dtype="auto", linear_layout="auto")
+    copies = train.eval.plan.decode_copies(target, settings, eval_prompts())
     assert copies.dtypes["decode"]["dtype"] == "float32"
     assert copies.dtypes["decode"]["seconds"]["float32"] == pytest.approx(0.15)
     assert not any(isinstance(m, FewRowsLinear) for m in target.model.modules())
-    dec.linear_layout = "plain"
-    plain = train.eval.plan.decode_copies(target, dec, None, eval_prompts(), str(tmp_path))
+    settings = replace(settings, linear_layout="plain")
+    plain = train.eval.plan.decode_copies(target, settings, eval_prompts())
     assert plain.dtypes["decode"]["dtype"] == "bfloat16"

@@ -18,11 +18,12 @@ from models.protocol import DraftOutput
 from models.target_loaders import build_tiny_random
 from train.core.checkpoint import list_checkpoints, load_checkpoint, load_draft
 from train.core.schedule import lr_lambda
-from train.core.step import StepSetup, StepStats, offset_losses
+from train.core.step import StepStats, offset_losses
 from train.data.prepare import collate, prepare_data
 from train.loop import TrainingDiverged, run
 from train.losses.divergences import LOSSES, Loss
-from train.run.setup import preflight
+from train.run.settings import eval_settings
+from train.run.setup import preflight, step_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -191,7 +192,7 @@ def test_ce_data_labels_align_with_target_argmax(tmp_path):
     losses = {}
     for labels in ("data", "target"):
         c = compose_debug(tmp_path, "loss=ce", f"loss.labels={labels}")
-        setup = StepSetup.from_config(c, [0])
+        setup = step_setup(c, [0], eval_settings(c).samplings)
         stats = StepStats.zeros(1, len(setup.samplings))
         losses[labels] = offset_losses(out, t_out.logits, batch, count, setup, stats).item()
     assert losses["data"] == pytest.approx(losses["target"], rel=1e-6)

@@ -182,6 +182,7 @@ def test_checkpoint_evaluation_reports_acceptance_vs_entropy_per_temperature():
     from hydra import compose, initialize_config_dir
 
     from train.eval.evaluate import evaluate_checkpoint
+    from train.run.settings import eval_settings
 
     target = untied_target()
     overrides = ["decode.temperatures=[0.0,0.7,1.0]", "decode.max_new_tokens=16", "decode.k=3"]
@@ -201,7 +202,7 @@ def test_checkpoint_evaluation_reports_acceptance_vs_entropy_per_temperature():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decoding.metrics, "generate", recording_generate)
         draft = DraftLM(noisy_copy(target.model, 0.8))
-        result, _ = evaluate_checkpoint(target, draft, prompts, cfg, None)
+        result, _ = evaluate_checkpoint(target, draft, prompts, eval_settings(cfg), None)
     json.dumps(result, allow_nan=False)
     assert len(spec_runs) == 3 * len(prompts)
     for i, tag in enumerate(("greedy", "T0.7", "T1")):

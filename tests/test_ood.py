@@ -11,6 +11,8 @@ from models import eagle
 from train.data.corpus import CATEGORIES
 from train.data.prompt_file import BUILTIN_OOD, load_prompt_file, ood_prompts
 from train.eval.evaluate import evaluate_checkpoint, format_eval_table
+from train.eval.settings import EvalSettings
+from train.run.settings import eval_settings
 
 
 def test_the_builtin_set_is_of_kinds_the_embedded_pool_lacks(tiny):
@@ -33,17 +35,21 @@ def test_a_bad_file_is_refused_with_its_line(tmp_path, tiny):
         ood_prompts(str(tmp_path / "missing.jsonl"), tiny.tokenizer, None)
 
 
-def _cfg(ood: str | None, temperatures: tuple = (0.0, 0.9)) -> OmegaConf:
+def _cfg(ood: str | None, temperatures: tuple = (0.0, 0.9), **decode) -> OmegaConf:
     return OmegaConf.create(
         {
             "seed": 0,
             "decode": {
                 "k": 2, "temperatures": list(temperatures), "top_k": 0, "top_p": 1.0,
                 "max_new_tokens": 12, "num_prompts": 3, "warmup": 0, "dtype": "float32",
-                "draft_dtype": "float32", "ood_prompts": ood,
+                "draft_dtype": "float32", "ood_prompts": ood, **decode,
             },
         }
     )  # fmt: skip
+
+
+def _settings(ood: str | None, temperatures: tuple = (0.0, 0.9), **decode) -> EvalSettings:
+    return eval_settings(_cfg(ood, temperatures, **decode))
 
 
 @pytest.mark.parametrize("temperatures", [(0.9, 0.0), (0.9,)])
@@ -65,8 +71,9 @@ def test_ood_tau_is_the_tau_of_the_same_decode_on_those_prompts(tmp_path, tiny, 
     ood = load_prompt_file(path, tiny.tokenizer, None)
     in_domain = [{"input_ids": list(range(3, 3 + n))} for n in (5, 9, 7)]
 
-    result, _ = evaluate_checkpoint(tiny, draft, in_domain, _cfg(str(path), temperatures), None)
-    alone, _ = evaluate_checkpoint(tiny, draft, ood, _cfg(None, temperatures), None)
+    with_ood = _settings(str(path), temperatures)
+    result, _ = evaluate_checkpoint(tiny, draft, in_domain, with_ood, None)
+    alone, _ = evaluate_checkpoint(tiny, draft, ood, _settings(None, temperatures), None)
     assert result["ood_num_prompts"] == 3 and "ood/tau" not in alone
     tags = ["greedy", "T0.9"] if 0.0 in temperatures else ["T0.9"]
     headline = tags[0]
@@ -106,9 +113,8 @@ def test_ood_num_prompts_takes_prompts_spread_over_the_file(tmp_path, tiny, monk
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in texts))
     ood = load_prompt_file(path, tiny.tokenizer, None)
     in_domain = [{"input_ids": list(range(3, 3 + n))} for n in (5, 9, 7)]
-    cfg = _cfg(str(path), (0.0,))
-    cfg.decode.ood_num_prompts = 2
-    result, _ = evaluate_checkpoint(tiny, draft, in_domain, cfg, None)
+    settings = _settings(str(path), (0.0,), ood_num_prompts=2)
+    result, _ = evaluate_checkpoint(tiny, draft, in_domain, settings, None)
     assert result["ood_num_prompts"] == 2
     assert decoded == [ood[0]["input_ids"], ood[2]["input_ids"]]
 
@@ -130,9 +136,8 @@ def test_num_prompts_takes_eval_prompts_spread_over_their_categories(tiny, monke
     monkeypatch.setattr(train.eval.evaluate, "decode_prompts", recording)
     draft = eagle.from_target(tiny, None, vocab_size="full", ttt_steps=2)
     eval_prompts = [{"input_ids": list(range(3 + i, 8 + i))} for i in range(6)]
-    cfg = _cfg(None, (0.0,))
-    cfg.decode.num_prompts = 3
-    result, _ = evaluate_checkpoint(tiny, draft, eval_prompts, cfg, None)
+    cfg = _cfg(None, (0.0,), num_prompts=3)
+    result, _ = evaluate_checkpoint(tiny, draft, eval_prompts, eval_settings(cfg), None)
     chosen = [eval_prompts[i]["input_ids"] for i in (0, 2, 4)]
     assert result["num_prompts"] == 3 and decoded == chosen
     # the longest of the chosen prompts is checked: prompt 5 (the longest of all) is not one
@@ -157,11 +162,10 @@ def test_tau_head_is_the_tau_of_the_same_decode_without_prompt_lookup(tmp_path, 
     path = tmp_path / "ood.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a b a b a", "why why"]))
     in_domain = [{"input_ids": [3, 4, 5, 3, 4, 5, 3, 4]}, {"input_ids": [7, 8, 9, 7, 8]}]
-    cfg = _cfg(str(path), (0.0, 0.9))
-    cfg.decode.lookup_min_match = 2
-    looked, _ = evaluate_checkpoint(tiny, draft, in_domain, cfg, None)
-    cfg.decode.lookup_min_match = 0
-    alone, _ = evaluate_checkpoint(tiny, draft, in_domain, cfg, None)
+    lookup_on = _settings(str(path), (0.0, 0.9), lookup_min_match=2)
+    looked, _ = evaluate_checkpoint(tiny, draft, in_domain, lookup_on, None)
+    lookup_off = _settings(str(path), (0.0, 0.9), lookup_min_match=0)
+    alone, _ = evaluate_checkpoint(tiny, draft, in_domain, lookup_off, None)
     assert looked["passes"][-2:] == ["spec", "head"] and "head" not in alone["passes"]
     for tag in ("greedy", "T0.9"):
         assert looked[f"{tag}/tau_head"] == alone[f"{tag}/tau"]

@@ -23,7 +23,7 @@ from train.data.prepare import prepare_data
 from train.data.regenerate import regenerate
 from train.eval.evaluate import evaluate_checkpoint
 from train.parallel.ranks import DEFAULT_TIMEOUT_S
-from train.run.settings import tracking_settings
+from train.run.settings import eval_settings, tracking_settings
 from train.run.setup import instantiate, make_accelerator
 
 ROWS, REGEN_BATCH, BATCH = 8, 2, 2  # 4 regeneration batches, 4 feature-cache batches
@@ -108,7 +108,8 @@ def test_two_rank_evaluation_equals_one_process(two_ranks):
     assert ev["prompts_by_rank"] == [[0, 2], [1]]
     cfg = OmegaConf.load(run_dir / "config.yaml")
     ckpt = run_dir / "checkpoints" / "step_00000002"
-    alone, _ = evaluate_checkpoint(target, load_draft(ckpt, target), prepared.eval_prompts, cfg, None)  # fmt: skip
+    draft, settings = load_draft(ckpt, target), eval_settings(cfg)
+    alone, _ = evaluate_checkpoint(target, draft, prepared.eval_prompts, settings, None)
     assert "prompts_by_rank" not in alone
     for key in ("accepted_per_prompt", "accept_hist", "alpha", "tau", "tau_drafted",
                 "verify_rounds", "new_tokens", "ar_new_tokens", "greedy_match_rate",

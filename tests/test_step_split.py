@@ -13,9 +13,10 @@ from accelerate import Accelerator
 
 from models.target_loaders import build_tiny_random
 from tests.helpers import TINY_CPU_RUN, compose_train
-from train.core.step import StepSetup, train_step
+from train.core.step import train_step
 from train.data.prepare import collate
-from train.run.setup import preflight
+from train.run.settings import eval_settings
+from train.run.setup import preflight, step_setup
 
 
 def _rows(n: int = 4) -> list[dict]:
@@ -48,14 +49,14 @@ def test_a_split_batch_steps_like_the_whole_batch(draft_args):
                 p.normal_(0, 0.05)
     rows, pad = _rows(), target.tokenizer.pad_token_id
     offsets = preflight(draft, target, torch.tensor(rows[0]["input_ids"]))
+    setup = step_setup(cfg, offsets, eval_settings(cfg).samplings)
     results = {}
     for name, groups in (("whole", [[0, 1, 2, 3]]), ("split", [[0, 1], [2, 3]])):
         model = copy.deepcopy(draft)
         micro = [collate([rows[i] for i in g], pad) for g in groups]
         params = [p for p in model.parameters() if p.requires_grad]
         out = train_step(
-            1, model, model, target, micro, groups, StepSetup.from_config(cfg, offsets),
-            Accelerator(cpu=True), params,
+            1, model, model, target, micro, groups, setup, Accelerator(cpu=True), params,
         )  # fmt: skip
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[name] = (out, grads)

@@ -8,10 +8,11 @@ from omegaconf import OmegaConf
 
 from decoding.drafter import Sampling
 from models.protocol import DraftOutput
-from train.core.step import StepSetup, StepStats, offset_losses
-from train.core.step_stats import StepWindow
+from train.core.step import StepStats, offset_losses
+from train.core.step_stats import StepWindow, decode_samplings
 from train.losses.acceptance import acceptance_proxy, sampling_cutoffs, simulated_tau
 from train.losses.divergences import ce_tv_mix, forward_kl, lk_lambda
+from train.run.setup import step_setup
 
 
 def _oov_step(mask_out_of_vocab: bool):
@@ -42,7 +43,7 @@ def _oov_step(mask_out_of_vocab: bool):
 
 def _offset_losses_call(out, target, batch, counts, cfg):
     """offset_losses as the training step calls it -> (loss, StepStats)."""
-    setup = StepSetup.from_config(cfg, out.offsets)
+    setup = step_setup(cfg, out.offsets, decode_samplings(**cfg.decode))
     stats = StepStats.zeros(len(out.offsets), len(setup.samplings))
     return offset_losses(out, target, batch, counts, setup, stats), stats
 

@@ -413,6 +413,7 @@ def test_checkpoint_evaluation_uses_the_configured_tree(target, decode, kind):
     from hydra import compose, initialize_config_dir
 
     from train.eval.evaluate import evaluate_checkpoint
+    from train.run.settings import eval_settings
 
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     overrides = [f"decode={decode}", "decode.temperatures=[0.0,1.0]", "decode.max_new_tokens=12"]
@@ -422,7 +423,7 @@ def test_checkpoint_evaluation_uses_the_configured_tree(target, decode, kind):
         )
     draft = medusa.from_target(target) if kind == "medusa" else build_eagle(target)
     prompts = [{"input_ids": prompt_ids(target, p)[0].tolist()} for p in PROMPTS]
-    result, _ = evaluate_checkpoint(target, draft, prompts, cfg, last_train=None)
+    result, _ = evaluate_checkpoint(target, draft, prompts, eval_settings(cfg), last_train=None)
     assert result["greedy/tree"]["kind"] == cfg.decode.tree.kind
     assert 0 < result["greedy/tree_size"] <= 16 and result["T1/tree_size"] > 0
     assert result["greedy/greedy_exact_match"] == 1.0

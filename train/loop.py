@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from train.core.checkpoint import restore_trainer_state, resume_checkpoint, resume_setting
 from train.core.optimizers import build_optimizer, optimizer_settings
 from train.core.schedule import global_rows, lr_lambda, rank_chunks
-from train.core.step import StepResult, StepSetup, TrainingDiverged, train_step
+from train.core.step import StepResult, TrainingDiverged, train_step
 from train.core.step_stats import StepWindow, proxy_tags
 from train.data.prepare import collate, prepare_data
 from train.data.prompt_file import ood_prompts
@@ -55,8 +55,19 @@ from train.run.identity import Resumed, check_resume, run_identity, schedule_set
 from train.run.init_from import check_init_from
 from train.run.machine import choose_autocast, share_threads
 from train.run.memory_plan import MemoryPlan, with_heldout_shapes
-from train.run.records import RunRecords, checkpoint_and_evaluate, evaluate_at, write_summary
-from train.run.settings import check_decode_context, check_settings, tracking_settings
+from train.run.records import (
+    RunEvaluations,
+    RunRecords,
+    checkpoint_and_evaluate,
+    evaluate_at,
+    write_summary,
+)
+from train.run.settings import (
+    check_decode_context,
+    check_settings,
+    eval_settings,
+    tracking_settings,
+)
 from train.run.setup import (
     build_draft,
     feature_cache,
@@ -65,6 +76,7 @@ from train.run.setup import (
     make_accelerator,
     make_replay,
     preflight,
+    step_setup,
 )
 
 __all__ = ["TrainingDiverged", "run"]
@@ -122,7 +134,8 @@ def train_run(cfg: DictConfig) -> dict:
     """`run` itself."""
     check_settings(cfg)  # every decode / replay / loop setting, before anything is loaded
     # The values the rooms below take, read from the checked config once (docs/design.md §1)
-    tracking = tracking_settings(cfg)
+    decode, tracking = eval_settings(cfg), tracking_settings(cfg)
+    evaluations = RunEvaluations(decode, bool(cfg.train.eval_at_ckpt), cfg.train.get("eval_every"))
     replay_on = cfg.get("replay") is not None and bool(cfg.replay.enabled)
     # single / DDP / FSDP, or the launch refused with why
     strategy = launch_strategy(replay_on, str(cfg.optim.get("name", "adamw")))
@@ -156,9 +169,7 @@ def train_run(cfg: DictConfig) -> dict:
         )
     if tc.eval_at_ckpt or tc.get("heldout_proxy"):  # eval prompts + new tokens fit the window
         check_decode_context(target, cfg.decode, prepared.eval_prompts)
-        ood = ood_prompts(
-            cfg.decode.get("ood_prompts"), target.tokenizer, cfg.data.get("chat_template")
-        )
+        ood = ood_prompts(decode.ood_prompts, target.tokenizer, decode.chat_template)
         check_decode_context(target, cfg.decode, ood)  # decode.ood_prompts, decoded beside
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
     pad_id = target.tokenizer.pad_token_id
@@ -167,7 +178,7 @@ def train_run(cfg: DictConfig) -> dict:
     offsets = preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
     with memory.phase("feature pass"):
         features = feature_cache(cfg, accelerator, target, draft, train_rows)
-    setup = StepSetup.from_config(cfg, offsets)
+    setup = step_setup(cfg, offsets, decode.samplings)
     dtypes["train_draft"] = choose_autocast(
         tc.bf16, cfg, target, draft, setup, train_rows[0], ranks
     )
@@ -225,7 +236,7 @@ def train_run(cfg: DictConfig) -> dict:
         log.earlier, resume_from, rows_consumed=resumed.rows_consumed if resumed else 0,
         schedule=sched, identity=run_identity(cfg, target, core),
     )  # fmt: skip
-    window = StepWindow(len(offsets), proxy_tags(cfg.decode))
+    window = StepWindow(len(offsets), proxy_tags(decode.samplings))
     rows_per_step = tc.batch_size * world * tc.grad_accum
     t_run = time.perf_counter()
     bar = progress_bar(cfg, start_step, clock["train_s"], main)
@@ -235,7 +246,7 @@ def train_run(cfg: DictConfig) -> dict:
     memory.begin("training")  # its evaluations are phases of their own
     out_of_time = budget is not None and clock["train_s"] >= budget  # spent before a resume
     if resume_from is not None:  # what a kill between the checkpoint and its evaluation lost
-        evaluate_at(cfg, accelerator, strategy, core, target, prepared, records, log,
+        evaluate_at(evaluations, accelerator, strategy, core, target, prepared, records, log,
                     start_step, start_step >= tc.steps or out_of_time, clock["train_s"],
                     heldout, owed=True)  # fmt: skip
     for step in range(start_step, start_step if out_of_time else tc.steps):
@@ -267,7 +278,7 @@ def train_run(cfg: DictConfig) -> dict:
         out_of_time = budget is not None and clock["train_s"] >= budget
         last = done == tc.steps or out_of_time
         if done % tc.log_every == 0 or last:
-            record = window.flush(done, scheduler.get_last_lr()[0], int(cfg.decode.k), offsets)
+            record = window.flush(done, scheduler.get_last_lr()[0], decode.k, offsets)
             record["train_s"] = round(clock["train_s"], 2)  # learning curves in seconds
             if replay is not None:
                 record.update(replay.flush())
@@ -277,9 +288,10 @@ def train_run(cfg: DictConfig) -> dict:
         if last:  # what the last checkpoint's evaluation keeps is the records' phase
             memory.begin("records")
         if done % tc.ckpt_every == 0 or last:
-            checkpoint_and_evaluate(cfg, accelerator, strategy, draft, core, optimizer, scheduler,
-                                    replay, target, prepared, records, log, done, last,
-                                    clock["train_s"], result.loss, heldout)  # fmt: skip
+            checkpoint_and_evaluate(cfg, evaluations, accelerator, strategy, draft, core,
+                                    optimizer, scheduler, replay, target, prepared, records,
+                                    log, done, last, clock["train_s"], result.loss,
+                                    heldout)  # fmt: skip
         if out_of_time:
             break
     bar.close()

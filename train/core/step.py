@@ -18,8 +18,8 @@ the global batch's real tokens (a mean over the batch whatever its split, as the
 The acceptance statistics are the decoder's (train/losses/acceptance.py): top-1 agreement with the
 target's full-vocabulary argmax (greedy), and alpha = Σ min(p, q) over the draft's ids with
 the target's un-renormalised full-vocabulary p, at the loss temperature and at every T > 0
-decode sampling of cfg.decode with its top-k / top-p, which train/eval/evaluate.py compares with
-the decoder's tau. The loss itself keeps the target renormalised over a reduced draft
+decode sampling (decode.temperatures) with its top-k / top-p, which train/eval/evaluate.py
+compares with the decoder's tau. The loss itself keeps the target renormalised over a reduced draft
 vocabulary, except for losses that declare `full_vocab_alpha` (the TV family), which get the
 full-vocabulary logsumexp (`target_log_norm`).
 
@@ -40,7 +40,6 @@ from functools import partial
 
 import torch
 from accelerate import Accelerator
-from omegaconf import DictConfig
 from torch import Tensor
 
 from decoding.drafter import Sampling
@@ -48,7 +47,6 @@ from models.protocol import DraftModel, DraftOutput
 from models.target import Target, TargetOutput
 from train.core.feature_cache import FeatureCache, cached_target_output
 from train.core.replay import Replay
-from train.core.step_stats import decode_samplings
 from train.losses.acceptance import acceptance_proxy, sampling_cutoffs, top1_agreement
 from train.losses.divergences import LossSpec, forward_kl
 from train.parallel.strategy import gradient_sync
@@ -60,12 +58,13 @@ class TrainingDiverged(RuntimeError):
 
 @dataclass(frozen=True)
 class StepSetup:
-    """What every step of a run computes with, resolved once from the config."""
+    """What every step of a run computes with, resolved once from the config by the set-up
+    (train/run/setup.py: step_setup)."""
 
     loss: LossSpec
     offsets: list[int]  # the draft's offsets (DraftOutput.offsets)
     # The samplings alpha is measured at: the loss temperature first, then every T > 0
-    # decode sampling of cfg.decode (StepStats.alpha rows, in this order).
+    # decode sampling (StepStats.alpha rows, in this order).
     samplings: list[Sampling]
     offset_decay: float = 0.8  # train.offset_decay: weight gamma^i of offset i
     mask_out_of_vocab: bool = False  # train.mask_out_of_vocab
@@ -74,18 +73,6 @@ class StepSetup:
     # where it measured faster (train/run/machine.py). train.bf16=true is accelerate's autocast.
     autocast: bool = False
     feature_noise: float = 0.0  # train.feature_noise: `noisy_features`' scale, 0 = off
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig, offsets: list[int]) -> StepSetup:
-        loss = LossSpec.from_settings(cfg.loss)
-        samplings = [Sampling(temperature=loss.temperature)]
-        samplings += [s for s in decode_samplings(cfg.decode).values() if not s.greedy]
-        tc = cfg.train
-        return cls(
-            loss, list(offsets), samplings, float(tc.offset_decay),
-            bool(tc.get("mask_out_of_vocab", False)), tc.get("max_grad_norm"),
-            feature_noise=float(tc.get("feature_noise", 0.0)),
-        )  # fmt: skip
 
 
 @dataclass

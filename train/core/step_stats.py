@@ -6,8 +6,9 @@ sampling (`alpha_T0.7`), out-of-vocabulary share, throughput.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
-from omegaconf import DictConfig
 
 from decoding.drafter import Sampling
 from train.losses.acceptance import simulated_tau
@@ -18,27 +19,27 @@ def sampling_tag(sampling: Sampling) -> str:
     return "greedy" if sampling.greedy else f"T{sampling.temperature:g}"
 
 
-def decode_samplings(dec: DictConfig) -> dict[str, Sampling]:
-    """tag -> Sampling of every temperature the decoder evaluates (cfg.decode)."""
+def decode_samplings(
+    temperatures: Iterable[float], top_k: int, top_p: float
+) -> dict[str, Sampling]:
+    """tag -> Sampling of every temperature the decoder evaluates (decode.temperatures, each
+    with decode.top_k / top_p)."""
     out = {}
-    for temp in dec.get("temperatures", [0.0]):
-        sampling = Sampling(
-            temperature=float(temp),
-            top_k=int(dec.get("top_k", 0)),
-            top_p=float(dec.get("top_p", 1.0)),
-        )
+    for temp in temperatures:
+        sampling = Sampling(temperature=float(temp), top_k=int(top_k), top_p=float(top_p))
         out[sampling_tag(sampling)] = sampling
     return out
 
 
-def proxy_tags(dec: DictConfig) -> list[str]:
-    """The T > 0 decode samplings the acceptance proxy is computed at, in `stats` order."""
-    return [tag for tag, s in decode_samplings(dec).items() if not s.greedy]
+def proxy_tags(samplings: Mapping[str, Sampling]) -> list[str]:
+    """The T > 0 decode samplings (`decode_samplings`) the acceptance proxy is computed at,
+    in `stats` order."""
+    return [tag for tag, s in samplings.items() if not s.greedy]
 
 
 class StepWindow:
     """Running sums between two log lines, plus run totals for the summary. `tags` are the
-    T > 0 decode samplings of the proxy (proxy_tags(cfg.decode))."""
+    T > 0 decode samplings of the proxy (`proxy_tags`)."""
 
     def __init__(self, n_off: int, tags: list[str]):
         self.n_off, self.tags = n_off, list(tags)

@@ -11,17 +11,16 @@ import time
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 
 from decoding.compiled import CompiledTarget
 from decoding.drafter import Drafter
 from decoding.drafters import drafter_class, make_drafter
 from decoding.drafters.lookup import with_lookup
 from decoding.timing import forward_seconds
-from decoding.tree import TreeSpec
 from models import dtype_choice
 from models.dtype_choice import DtypeChoice, choose_measured
 from models.target import Target
+from train.eval.settings import EvalSettings
 
 
 @dataclass
@@ -56,26 +55,28 @@ def describe_compile(choice: dict, setting: str) -> str:
     return f"decode path: {choice['dtype']} (auto: {choice['source']}{times}){hint}"
 
 
-def compile_setting(dec: DictConfig) -> str:
+def compile_setting(decode_compile: bool | str) -> str:
     """decode.compile as one of "false", "auto", "only"; `true` is `only` with the eager
     speculative decode beside it, so it compiles as `only` does."""
-    setting = str(dec.get("compile", False)).lower()
+    setting = str(decode_compile).lower()
     return "only" if setting == "true" else setting
 
 
-def compiled_verify_timed(dec: DictConfig, device: torch.device) -> str | None:
+def compiled_verify_timed(
+    decode_compile: bool | str, dtype: str, device: torch.device
+) -> str | None:
     """Where decode.dtype=auto may time the verify on the compiled path (decode_copies): a
     CPU decoding with decode.compile=only or true ("only": timed compiled, by proxy) or auto
     ("auto": the verdict `only` timed, where this machine has one; else eager timings, since
     the path is chosen after the dtype)."""
-    path = compile_setting(dec)
-    timed = dec.get("dtype") == "auto" and device.type == "cpu" and path in ("auto", "only")
+    path = compile_setting(decode_compile)
+    timed = dtype == "auto" and device.type == "cpu" and path in ("auto", "only")
     return path if timed else None
 
 
 def compiled_decoding(
     copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
-    dec: DictConfig, tree: TreeSpec | None, max_len: int,
+    settings: EvalSettings, max_len: int,
 ) -> tuple[CompiledTarget, Drafter]:  # fmt: skip
     """The compiled target and drafter for this checkpoint's `draft_eval`. Built once; later
     checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
@@ -83,20 +84,20 @@ def compiled_decoding(
     adapted = adapts_target(decode_target, copies.target)  # Medusa-2: weights change
     drafts_compiled = compiles(draft_eval)
     if copies.compiled is None:
-        k = int(dec.k)
+        k, tree = settings.k, settings.tree
         widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
         if not drafts_compiled:  # the AR's graph alone: the speculative decode runs eagerly
             widths = (1,)
-        if tree is None and dec.get("adaptive_k", False):
+        if tree is None and settings.adaptive_k:
             widths += (2 * k + 1,)  # adaptive k reaches 2k
         levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
         copies.compiled = CompiledTarget(
             decode_target, max_len + max(widths), widths, drafter.hidden_layers,
-            mode=dec.get("compile_mode", "auto"), freeze=False if adapted else None,
+            mode=settings.compile_mode, freeze=False if adapted else None,
             draft_widths=levels,  # an EAGLE-2 tree level's width, compiled before timing
         )  # fmt: skip
         copies.compiled.warmup()
-        lookup = dec.get("lookup_min_match", 0)
+        lookup = settings.lookup_min_match
         copies.draft = draft_eval
         if drafts_compiled:
             copies.drafter = with_lookup(make_drafter(draft_eval, copies.compiled), lookup)
@@ -121,8 +122,8 @@ def adapts_target(decode_target: Target, target: Target) -> bool:
 
 def compile_choice(
     copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
-    dec: DictConfig, tree: TreeSpec | None, max_len: int, prompt_lengths: list[int],
-    cache_dir: str | None, forwards: int, compiled_s: float = 0.0,
+    settings: EvalSettings, max_len: int, prompt_lengths: list[int], forwards: int,
+    compiled_s: float = 0.0,
 ) -> DtypeChoice:  # fmt: skip
     """The compiled path's verdict: "compiled" where one verify forward (k + 1 tokens, or tree
     size + 1) of the compiled target is faster than the eager one's, over a typical cache, on
@@ -137,19 +138,19 @@ def compile_choice(
     not: eager, nothing compiled); without one, on a CPU it decodes eagerly ("unmeasured": a
     cold compile there costs minutes, more than one evaluation's forwards save; `only` records
     it), on CUDA it compiles to measure (an eager verdict drops the graphs)."""
-    setting = compile_setting(dec)
-    width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    setting, tree, cache_dir = compile_setting(settings.compile), settings.tree, settings.cache_dir
+    width = tree.size + 1 if tree is not None else settings.k + 1
     if not compiles(draft_eval):
         # a drafter that decodes eagerly only (decoding/drafters/selfspec.py): no verify to
         # compare; compiled means the compiled AR beside the eager speculative decode
         dtype = "compiled" if setting == "only" else "eager"
         return DtypeChoice("compile", dtype, "eager drafter", {}, {"draft": draft_eval.kind})
     lengths = sorted(prompt_lengths)
-    cached = min(lengths[len(lengths) // 2] + int(dec.max_new_tokens) // 2, max_len - width)
+    cached = min(lengths[len(lengths) // 2] + settings.max_new_tokens // 2, max_len - width)
     layers = tuple(drafter.hidden_layers)
     shapes = {"target": decode_target.name, "dtype": str(decode_target.dtype),
               "device": decode_target.device.type, "width": width, "cached": cached,
-              "mode": str(dec.get("compile_mode", "auto"))}  # fmt: skip
+              "mode": settings.compile_mode}  # fmt: skip
     machine = dtype_choice.machine_key()
     cost_key = {**machine, "use": "compile_s", "shapes": shapes}
     cost_file = dtype_choice.cache_file(cache_dir, cost_key)
@@ -173,7 +174,7 @@ def compile_choice(
             return forward_seconds(decode_target, width, cached, layers)
         t0 = time.perf_counter()
         compiled, _ = compiled_decoding(
-            copies, draft_eval, decode_target, drafter, dec, tree, max_len
+            copies, draft_eval, decode_target, drafter, settings, max_len
         )
         built_s.append(time.perf_counter() - t0)
         return forward_seconds(compiled, width, cached, layers)

@@ -29,7 +29,6 @@ prompts; each rank warms up on its own first prompt). Every rank returns the sam
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
 
 from decoding.inductor import STATS, counts_recordings
 from decoding.metrics import (
@@ -42,6 +41,7 @@ from decoding.metrics import (
 from models.target import Target
 from train.eval.compiled import DecodeCopies
 from train.eval.plan import CheckpointPlan, plan_checkpoint
+from train.eval.settings import EvalSettings
 from train.parallel.ranks import Ranks
 
 # The headline sampling's keys copied to the record's top level, for curves and summaries.
@@ -53,7 +53,7 @@ def evaluate_checkpoint(
     target: Target,
     draft: torch.nn.Module,
     eval_prompts: list[dict],
-    cfg: DictConfig,
+    settings: EvalSettings,  # built by the set-up: train/run/settings.py: eval_settings
     last_train: dict | None,  # the newest train record: its simulated tau per sampling
     target_eval: DecodeCopies | None = None,
     ranks: Ranks | None = None,  # several processes: each decodes its share (module doc)
@@ -61,15 +61,14 @@ def evaluate_checkpoint(
     """-> (flat JSON-able metrics, the decoding copies to reuse at the next checkpoint).
     `draft` is the whole draft (not a sharded one): each rank decodes with a copy of it."""
     ranks = ranks or Ranks()
-    dec = cfg.decode
-    k = int(dec.get("k", 4))
+    k = settings.k
     if not eval_prompts:
         raise ValueError(
             "train.eval_at_ckpt=true but the data has no eval prompts; set data.num_eval > 0"
         )
     # What compiling costs this checkpoint, the dtype choice's timing of a compiled verify included
     graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
-    plan = plan_checkpoint(target, draft, eval_prompts, cfg, target_eval, ranks)
+    plan = plan_checkpoint(target, draft, eval_prompts, settings, target_eval, ranks)
     mine = ranks.mine(len(plan.prompts))  # prompts rank, rank + world, ...
     result: dict = {"k": k, "num_prompts": len(plan.prompts), "ood_num_prompts": len(plan.ood),
                     "dtypes": plan.copies.dtypes, "decode_path": plan.path,
@@ -80,14 +79,14 @@ def evaluate_checkpoint(
             k=k,
             sampling=sampling,
             max_new_tokens=plan.max_new_tokens,
-            seed=int(dec.get("seed", cfg.seed)),
-            adaptive_k=bool(dec.get("adaptive_k", False)),
+            seed=settings.seed,
+            adaptive_k=settings.adaptive_k,
             tree=plan.tree,
         )
         count_lookups(plan, ranks)  # rounds counted per sampling
         with torch.no_grad():
             share = decode_prompts(
-                plan.passes, plan.prompts, mine, warmup=int(dec.get("warmup", 1)), **kw
+                plan.passes, plan.prompts, mine, warmup=settings.warmup, **kw
             )  # fmt: skip
         parts = ranks.gather(share)
         if ranks.world > 1:  # which rank decoded which prompts

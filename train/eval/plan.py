@@ -42,7 +42,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from decoding.drafter import Sampling
@@ -58,7 +57,6 @@ from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
 from models.dtypes import draft_decode_copy, resolve_dtype
 from models.few_rows import choose_layouts, few_rows_products, time_in_layout
 from models.target import Target, decode_copy
-from train.core.step_stats import decode_samplings
 from train.data.prompt_file import ood_prompts, spread
 from train.eval.compiled import (
     DecodeCopies,
@@ -69,6 +67,7 @@ from train.eval.compiled import (
     compiled_verify_timed,
     describe_compile,
 )
+from train.eval.settings import EvalSettings
 from train.parallel.ranks import Ranks
 from train.phase_memory import phase
 
@@ -104,23 +103,18 @@ class CheckpointPlan:
 
 
 def plan_checkpoint(
-    target: Target, draft: torch.nn.Module, eval_prompts: list[dict], cfg: DictConfig,
+    target: Target, draft: torch.nn.Module, eval_prompts: list[dict], settings: EvalSettings,
     target_eval: DecodeCopies | None, ranks: Ranks,
 ) -> CheckpointPlan:  # fmt: skip
     """The decisions of the module doc for `draft` at this checkpoint (dtypes and path at a
     run's first evaluation, kept in `target_eval` after it)."""
-    dec = cfg.decode
-    tree = None  # decode=tree_static / tree_dynamic: draft trees (decoding/tree.py)
-    if dec.get("tree") is not None:
-        tree = TreeSpec(**OmegaConf.to_container(dec.tree, resolve=True))
-    cache_dir = (cfg.get("data") or {}).get("cache_dir")
-    use_compile_cache(cache_dir)  # compiled code kept per machine
+    use_compile_cache(settings.cache_dir)  # compiled code kept per machine
     if target_eval is None:  # rank 0 chooses the dtypes, every rank decodes in them
         if ranks.main:
             with phase("evaluation: copies and dtypes"):  # each dtype timed on a copy
-                target_eval = decode_copies(target, dec, tree, eval_prompts, cache_dir)
+                target_eval = decode_copies(target, settings, eval_prompts)
                 prompt = torch.tensor(eval_prompts[0]["input_ids"], device=target.device)[None]
-                choice = draft_dtype_choice(draft, target_eval.target, dec, tree, prompt, cache_dir)  # fmt: skip
+                choice = draft_dtype_choice(draft, target_eval.target, settings, prompt)
             if choice.source != "explicit":
                 print(f"dtype {choice.describe()}", flush=True)
             target_eval.dtypes["draft"] = choice.as_record()
@@ -133,18 +127,16 @@ def plan_checkpoint(
     # with respect to) the adapted target, so both AR and speculative runs decode that one.
     decode_target = draft_eval.decoding_target(target_eval.target)
     adapted = adapts_target(decode_target, target_eval.target)
-    drafter = with_lookup(make_drafter(draft_eval, decode_target), dec.get("lookup_min_match", 0))
-    chosen = spread(eval_prompts, dec.get("num_prompts"))  # over the categories' blocks
+    drafter = with_lookup(make_drafter(draft_eval, decode_target), settings.lookup_min_match)
+    chosen = spread(eval_prompts, settings.num_prompts)  # over the categories' blocks
     prompts = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in chosen]
     # decode.ood_prompts: kinds the training data has none of, decoded for tau alone
-    ood = ood_prompts(
-        dec.get("ood_prompts"), target.tokenizer, (cfg.get("data") or {}).get("chat_template")
-    )
-    ood = spread(ood, dec.get("ood_num_prompts") or len(prompts))  # over the file's kinds
+    ood = ood_prompts(settings.ood_prompts, target.tokenizer, settings.chat_template)
+    ood = spread(ood, settings.ood_num_prompts or len(prompts))  # over the file's kinds
     ood = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in ood]
-    max_new_tokens = int(dec.get("max_new_tokens", 64))
-    samplings = sorted(decode_samplings(dec).items(), key=lambda item: item[0] != "greedy")
-    setting = compile_setting(dec)
+    max_new_tokens = settings.max_new_tokens
+    samplings = sorted(settings.samplings.items(), key=lambda item: item[0] != "greedy")
+    setting = compile_setting(settings.compile)
     max_len = max(p.shape[1] for p in prompts + ood) + max_new_tokens
     with phase("evaluation: compile"):  # the graphs, and the verdict's timing
         if setting in ("auto", "only") and "compile" not in target_eval.dtypes:
@@ -153,7 +145,7 @@ def plan_checkpoint(
             started = time.perf_counter()
             if setting == "only":  # every rank compiles at once; rank 0 then times both paths
                 compiled_decoding(
-                    target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
+                    target_eval, draft_eval, decode_target, drafter, settings, max_len
                 )
             built_s = time.perf_counter() - started
             choice = None  # decided at a run's first evaluation by rank 0, then kept
@@ -161,8 +153,8 @@ def plan_checkpoint(
                 # at most: the ARs and one verify per new token, at every sampling
                 forwards = max_new_tokens * (3 * len(samplings) * len(prompts) + len(ood))
                 choice = compile_choice(
-                    target_eval, draft_eval, decode_target, drafter, dec, tree, max_len,
-                    [p.shape[1] for p in prompts], cache_dir, forwards, built_s,
+                    target_eval, draft_eval, decode_target, drafter, settings, max_len,
+                    [p.shape[1] for p in prompts], forwards, built_s,
                 ).as_record()  # fmt: skip
                 print(describe_compile(choice, setting), flush=True)
             target_eval.dtypes["compile"] = ranks.broadcast(choice)
@@ -172,11 +164,11 @@ def plan_checkpoint(
     # The eager AR in its fastest dtype; a draft that adapts the target (Medusa-2) keeps its
     # AR on the adapted one, what its speculative decode must reproduce.
     eager_ar = decode_target if adapted else (target_eval.baseline or target_eval.target)
-    choose_linear_layouts(target_eval, dec, tree, eval_prompts, cache_dir, ranks, compiled)
+    choose_linear_layouts(target_eval, settings, eval_prompts, ranks, compiled)
     passes = []
     if compiled:
         compiled_target, compiled_drafter = compiled_decoding(
-            target_eval, draft_eval, decode_target, drafter, dec, tree, max_len
+            target_eval, draft_eval, decode_target, drafter, settings, max_len
         )  # fmt: skip
         # a drafter that decodes eagerly only (selfspec) keeps its eager speculative decode,
         # timed against the compiled AR
@@ -186,7 +178,7 @@ def plan_checkpoint(
         passes = [Pass("ar_eager", eager_ar), Pass("ar", compiled_target)]
     else:
         spec = Pass("spec", decode_target, drafter)
-        same_dtype_ar = bool(dec.get("same_dtype_ar", True)) or adapted
+        same_dtype_ar = settings.same_dtype_ar or adapted
         if eager_ar is not decode_target:  # the fastest eager AR runs in another dtype
             passes.append(Pass("ar_eager", eager_ar))
         if same_dtype_ar or eager_ar is decode_target:
@@ -195,22 +187,22 @@ def plan_checkpoint(
     heads = [Pass("head", spec.target, lookup.base)] if lookup is not None else []
     passes += [spec, *heads]
     # decode.compile=true: the eager one beside it (where the speculative one is compiled)
-    if compiled and dec.get("compile") is True and spec.target is not decode_target:
+    if compiled and settings.compile is True and spec.target is not decode_target:
         passes.append(Pass("eager_spec", decode_target, drafter))
     return CheckpointPlan(target_eval, samplings, passes, [spec, *heads], lookup,
-                          path_of(spec.target), prompts, ood, tree,
+                          path_of(spec.target), prompts, ood, settings.tree,
                           max_new_tokens)  # fmt: skip
 
 
 def choose_linear_layouts(
-    copies: DecodeCopies, dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict],
-    cache_dir: str | None, ranks: Ranks, compiled: bool,
+    copies: DecodeCopies, settings: EvalSettings, eval_prompts: list[dict], ranks: Ranks,
+    compiled: bool,
 ) -> None:  # fmt: skip
     """decode.linear_layout for the eager copies a CPU decodes with (models/few_rows.py): the
     decoding copy where the speculative decode runs eagerly, the fastest eager AR's copy
     always, unless it is the copy the compiled target wraps (its graphs were traced plain).
     Measured by rank 0 once per run, every rank swaps; train/eval/evaluate.py swaps back."""
-    layout = str(dec.get("linear_layout", "plain"))  # conf/decode/chain.yaml: auto
+    layout = settings.linear_layout  # conf/decode/chain.yaml: auto
     if layout not in ("auto", "plain", "transposed"):
         raise ValueError(f"decode.linear_layout={layout!r}: use auto, plain or transposed")
     copies_ = {"layout": copies.target, "layout_ar": copies.baseline}  # None: the same copy
@@ -225,10 +217,10 @@ def choose_linear_layouts(
     elif any(use not in copies.dtypes for use in copies_):  # auto: measured once per run
         choices = None
         if ranks.main:
-            _, cached, width = typical_shapes(dec, tree, eval_prompts)
+            _, cached, width = typical_shapes(settings, eval_prompts)
             widths = {"layout": (width, 1), "layout_ar": (1,)}  # verify + AR step; AR step
             widths = {use: widths[use] for use in copies_}
-            choices = choose_layouts(copies_, widths, cached, cache_dir)
+            choices = choose_layouts(copies_, widths, cached, settings.cache_dir)
             print("\n".join(f"linear {c.describe()}" for c in choices.values()), flush=True)
             choices = {use: c.as_record() for use, c in choices.items()}
         copies.dtypes.update(ranks.broadcast(choices))
@@ -236,22 +228,18 @@ def choose_linear_layouts(
         few_rows_products(copy_.model, copies.dtypes[use]["dtype"] == "transposed")
 
 
-def typical_shapes(
-    dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict]
-) -> tuple[int, int, int]:
+def typical_shapes(settings: EvalSettings, eval_prompts: list[dict]) -> tuple[int, int, int]:
     """A decode's typical prompt length, cache length and verify width, as its copies are
     timed: the median prompt, the cache halfway through max_new_tokens (multiples of 32)."""
     lengths = sorted(len(p["input_ids"]) for p in eval_prompts) or [64]
     prompt = max(32, 32 * round(lengths[len(lengths) // 2] / 32))
-    cached = max(32, 32 * round((prompt + dec.max_new_tokens / 2) / 32))
-    width = tree.size + 1 if tree is not None else int(dec.k) + 1
+    cached = max(32, 32 * round((prompt + settings.max_new_tokens / 2) / 32))
+    tree = settings.tree
+    width = tree.size + 1 if tree is not None else settings.k + 1
     return prompt, cached, width
 
 
-def decode_copies(
-    target: Target, dec: DictConfig, tree: TreeSpec | None, eval_prompts: list[dict],
-    cache_dir: str | None,
-) -> DecodeCopies:  # fmt: skip
+def decode_copies(target: Target, settings: EvalSettings, eval_prompts: list[dict]) -> DecodeCopies:
     """The frozen target in decode.dtype ("auto": the faster dtype for decoding on this
     machine), and in the dtype of the machine's fastest AR when that is another, for the
     speedup against the best AR (models/dtype_choice.py; docs/design.md §3). Each is timed as
@@ -263,15 +251,15 @@ def decode_copies(
     (decoding.timing.compiled_forward_seconds: a proxy, minutes cheaper than compiling the
     whole target per dtype), with auto where `only` recorded it: the path the decode will
     take decides its dtype."""
-    prompt, cached, width = typical_shapes(dec, tree, eval_prompts)
-    per = int(dec.max_new_tokens)
-    path = compiled_verify_timed(dec, target.device)
-    mode = str(dec.get("compile_mode", "auto"))
+    prompt, cached, width = typical_shapes(settings, eval_prompts)
+    per, cache_dir = settings.max_new_tokens, settings.cache_dir
+    path = compiled_verify_timed(settings.compile, settings.dtype, target.device)
+    mode = settings.compile_mode
     # each eager dtype timed at its faster linear layout (models/few_rows.py); plan_checkpoint
     # then records the layout of the dtype chosen
-    layouts = {"auto": (False, True), "transposed": (True,)}.get(dec.get("linear_layout"), ())
+    layouts = {"auto": (False, True), "transposed": (True,)}.get(settings.linear_layout, ())
     choices: dict[str, DtypeChoice] = {}
-    for use, setting, new in (("decode", dec.dtype, width), ("ar", "auto", 1)):
+    for use, setting, new in (("decode", settings.dtype, width), ("ar", "auto", 1)):
         shapes = {"target": target.name, "rows": 1, "new": new, "cached": cached,
                   "prefill": prompt, "per": per}  # fmt: skip
         if layouts and target.device.type == "cpu":  # not the verdict of plain linears alone
@@ -310,9 +298,8 @@ def copies_in(target: Target, dtypes: dict) -> DecodeCopies:
 
 
 def draft_dtype_choice(
-    draft: torch.nn.Module, target: Target, dec: DictConfig, tree: TreeSpec | None,
-    prompt: torch.Tensor, cache_dir: str | None,
-) -> DtypeChoice:  # fmt: skip
+    draft: torch.nn.Module, target: Target, settings: EvalSettings, prompt: torch.Tensor
+) -> DtypeChoice:
     """decode.draft_dtype: as set; "auto": the dtype whose draft copy decodes a round
     fastest beside `target` (the decoding copy), timed as seconds per verify round of one
     prompt (the verify is the same for both, so the difference is the draft's). A small draft
@@ -320,17 +307,20 @@ def draft_dtype_choice(
     (docs/portable.md). A draft that adapts the target (Medusa-2) follows the target's dtype.
     A dtype the drafter cannot run in times as infinite."""
     # Unset (a config written before the key existed): the target's dtype, as decoding was.
-    setting = str(dec.get("draft_dtype", str(target.dtype).removeprefix("torch.")))
+    setting = settings.draft_dtype
+    if setting is None:
+        setting = str(target.dtype).removeprefix("torch.")
+    tree = settings.tree
     if setting == "auto" and draft.decoding_target(target) is not target:
         setting = str(target.dtype).removeprefix("torch.")
     shapes = {"target": target.name, "target_dtype": str(target.dtype), "draft": draft.kind,
-              "params": sum(p.numel() for p in draft.parameters()), "k": int(dec.k),
+              "params": sum(p.numel() for p in draft.parameters()), "k": settings.k,
               "tree": repr(tree), "prompt": prompt.shape[1]}  # fmt: skip
 
     def measure(dtype: torch.dtype) -> float:
         copy_ = draft_decode_copy(draft, dtype)
         drafter = make_drafter(copy_, target)
-        run = lambda: generate(target, prompt, drafter, k=int(dec.k), max_new_tokens=16,  # noqa: E731
+        run = lambda: generate(target, prompt, drafter, k=settings.k, max_new_tokens=16,  # noqa: E731
                                eos_token_ids=[], tree=tree)  # fmt: skip
         try:
             with torch.no_grad():
@@ -345,4 +335,4 @@ def draft_dtype_choice(
             return float("inf")
         return statistics.median(times)
 
-    return choose_dtype("draft", setting, shapes, measure, target.device, cache_dir)
+    return choose_dtype("draft", setting, shapes, measure, target.device, settings.cache_dir)

@@ -1,6 +1,7 @@
 """What the training loop (train/loop.py) records of a run: `RunRecords`, what it knows so
 far; `checkpoint_and_evaluate`, a checkpoint (train/core/checkpoint.py) with its evaluation
-(train/eval/evaluate.py); `write_summary`, summary.json and learning_curve.png at the end."""
+(train/eval/evaluate.py), which decodes with the values of `RunEvaluations`, read from the
+config once; `write_summary`, summary.json and learning_curve.png at the end."""
 
 from __future__ import annotations
 
@@ -22,11 +23,26 @@ from train.disk import write_atomic
 from train.eval.compiled import DecodeCopies
 from train.eval.evaluate import evaluate_checkpoint, format_eval_table
 from train.eval.heldout import PREFIX, HeldOut
+from train.eval.settings import EvalSettings
 from train.parallel.ranks import Ranks
 from train.parallel.strategy import Strategy, eval_draft, full_state
 from train.phase_memory import phase
 from train.report.plots import save_learning_curve
 from train.report.tracking import RunLog
+
+
+@dataclass(frozen=True)
+class RunEvaluations:
+    """What a run's checkpoints are evaluated with (train/eval/settings.py) and which ones."""
+
+    settings: EvalSettings
+    at_checkpoints: bool  # train.eval_at_ckpt
+    every: int | None  # train.eval_every; None: every checkpoint
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether checkpoint `step` is evaluated: with train.eval_at_ckpt, the last one and
+        every one, or those at multiples of `every`."""
+        return self.at_checkpoints and (last or not self.every or step % self.every == 0)
 
 
 @dataclass
@@ -56,21 +72,21 @@ class RunRecords:
 
 
 def checkpoint_and_evaluate(
-    cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, draft, core: DraftModel,
-    optimizer, scheduler, replay: Replay | None, target: Target, prepared: PreparedData,
-    records: RunRecords, log: RunLog, step: int, last: bool, train_s: float, loss: float,
-    heldout: list[HeldOut] | None = None,
+    cfg: DictConfig, evaluations: RunEvaluations, accelerator: Accelerator, strategy: Strategy,
+    draft, core: DraftModel, optimizer, scheduler, replay: Replay | None, target: Target,
+    prepared: PreparedData, records: RunRecords, log: RunLog, step: int, last: bool,
+    train_s: float, loss: float, heldout: list[HeldOut] | None = None,
 ) -> None:  # fmt: skip
     """Checkpoint `step` (every rank takes part in the gathers; the main rank writes), its
     held-out proxy (train.heldout_proxy: the main rank, seconds) and, when due, its
     evaluation with the shared decoder (every rank decodes its share of the prompts,
     train/eval/evaluate.py; the main rank records), both with the full draft, never the
-    FSDP-sharded module (train/parallel/strategy.py)."""
+    FSDP-sharded module (train/parallel/strategy.py). `cfg` is what the checkpoint records."""
     with phase("checkpoint"):
         write_checkpoint(cfg, accelerator, strategy, draft, optimizer, scheduler, replay,
                          records, step, train_s, loss)  # fmt: skip
-    evaluate_at(cfg, accelerator, strategy, core, target, prepared, records, log, step, last,
-                train_s, heldout)  # fmt: skip
+    evaluate_at(evaluations, accelerator, strategy, core, target, prepared, records, log, step,
+                last, train_s, heldout)  # fmt: skip
 
 
 def write_checkpoint(
@@ -93,7 +109,7 @@ def write_checkpoint(
 
 
 def evaluate_at(
-    cfg: DictConfig, accelerator: Accelerator, strategy: Strategy, core: DraftModel,
+    evaluations: RunEvaluations, accelerator: Accelerator, strategy: Strategy, core: DraftModel,
     target: Target, prepared: PreparedData, records: RunRecords, log: RunLog, step: int,
     last: bool, train_s: float, heldout: list[HeldOut] | None = None, owed: bool = False,
 ) -> None:  # fmt: skip
@@ -101,9 +117,7 @@ def evaluate_at(
     run's first call, at the checkpoint it resumed from: only what the records lack for that
     step (a run killed after writing the checkpoint, before its evaluation ended, would
     otherwise never evaluate it, its last one included)."""
-    tc = cfg.train
-    every = tc.get("eval_every")  # null: every checkpoint; N: multiples of N + last
-    evaluate = tc.eval_at_ckpt and (last or not every or step % every == 0)
+    evaluate = evaluations.due(step, last)
     if owed:  # the main rank holds the records: its view decides, for every rank alike
         recorded = Ranks.current().broadcast((
             any(e.get("step") == step for e in records.evals),
@@ -127,7 +141,7 @@ def evaluate_at(
             started = time.perf_counter()
             with phase("evaluation"):
                 result, records.decode_copies = evaluate_checkpoint(
-                    target, full, prepared.eval_prompts, cfg, records.last_train,
+                    target, full, prepared.eval_prompts, evaluations.settings, records.last_train,
                     records.decode_copies, Ranks.current(),
                 )  # fmt: skip
             set_rng_state(rng)

@@ -1,13 +1,18 @@
-"""Start-up checks of a training config: `check_settings(cfg)` runs first in train.loop.run,
-before the target is loaded, so a bad decode / evaluation / replay / loop setting fails in
-seconds instead of at the first evaluation or rollout, hours into a run. What needs the target
-or the data (the context window: `check_decode_context`) runs once they are loaded, before
-any training.
+"""Start-up checks of a training config, and the values built from it for the rooms below.
+
+`check_settings(cfg)` runs first in train.loop.run, before the target is loaded, so a bad
+decode / evaluation / replay / loop setting fails in seconds instead of at the first evaluation
+or rollout, hours into a run. What needs the target or the data (the context window:
+`check_decode_context`) runs once they are loaded, before any training.
 
 The checks are those of the code that uses each setting (decoding.verify.check_sampling,
 decoding.tree.TreeSpec, train.core.replay.Replay, models.dtypes.resolve_dtype, the loss table,
 train.core.optimizers.build_optimizer), called on the config values, with the config key in front
 of their messages.
+
+Past the set-up no function reads the config (docs/design.md §1): `eval_settings` and
+`tracking_settings` read it once, with the defaults of a config written before a key existed,
+into the values train/eval/ and train/report/tracking.py take.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from train.data.pack import resolve_pack
 from train.data.prompt_file import spread
 from train.data.regen_openai import check_backend_settings
 from train.data.sources import check_source
+from train.eval.settings import EvalSettings
 from train.losses.divergences import LossSpec
 from train.report.tracking import TrackingSettings
 from train.run.init_from import detect_format
@@ -316,6 +322,36 @@ def check_settings(cfg: DictConfig) -> None:
         )
     if cfg.get("replay") is not None and cfg.replay.enabled:
         check_replay(cfg.replay)
+
+
+def eval_settings(cfg: DictConfig) -> EvalSettings:
+    """What train/eval/ decodes with (train/eval/settings.py): cfg.decode, the run's seed
+    where decode.seed is unset, and the data's cache and chat template."""
+    dec, data = cfg.decode, cfg.get("data") or {}
+    tree = dec.get("tree")  # decode=tree_static / tree_dynamic: draft trees (decoding/tree.py)
+    return EvalSettings(
+        k=int(dec.get("k", 4)),
+        temperatures=tuple(float(t) for t in dec.get("temperatures", [0.0])),
+        top_k=int(dec.get("top_k", 0)),
+        top_p=float(dec.get("top_p", 1.0)),
+        max_new_tokens=int(dec.get("max_new_tokens", 64)),
+        num_prompts=dec.get("num_prompts"),
+        warmup=int(dec.get("warmup", 1)),
+        seed=int(dec.get("seed", cfg.seed)),
+        dtype=dec.get("dtype"),
+        draft_dtype=dec.get("draft_dtype"),
+        same_dtype_ar=bool(dec.get("same_dtype_ar", True)),
+        compile=dec.get("compile", False),
+        compile_mode=str(dec.get("compile_mode", "auto")),
+        adaptive_k=bool(dec.get("adaptive_k", False)),
+        lookup_min_match=dec.get("lookup_min_match", 0),
+        linear_layout=str(dec.get("linear_layout", "plain")),
+        tree=None if tree is None else TreeSpec(**OmegaConf.to_container(tree, resolve=True)),
+        ood_prompts=dec.get("ood_prompts"),
+        ood_num_prompts=dec.get("ood_num_prompts"),
+        cache_dir=data.get("cache_dir"),
+        chat_template=data.get("chat_template"),
+    )
 
 
 def tracking_settings(cfg: DictConfig) -> TrackingSettings:

@@ -1,7 +1,7 @@
 """What `run` (train/loop.py) builds before its first step: the accelerator, the target and
 draft from their configs (`load_target` with its dtype and memory plan, `build_draft`), the
-preflight forward that checks the draft against the target, the feature cache, the held-out
-proxy's rows and the replay."""
+preflight forward that checks the draft against the target, what every step computes with
+(`step_setup`), the feature cache, the held-out proxy's rows and the replay."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.drafter import Sampling
 from models.dtype_choice import DtypeChoice
 from models.protocol import DraftModel
 from models.target import Target
@@ -28,6 +29,7 @@ from train.core.step import StepSetup
 from train.data.chat import resolve_chat_template
 from train.data.prepare import PreparedData
 from train.eval.heldout import HeldOut, heldout_rows
+from train.losses.divergences import LossSpec
 from train.parallel.ranks import Ranks, dist_timeout
 from train.parallel.strategy import Strategy
 from train.phase_memory import process_memory
@@ -118,6 +120,23 @@ def preflight(draft: DraftModel, target: Target, sample_ids: torch.Tensor) -> li
                 "or return vocab_ids mapping its reduced vocabulary to target ids."
             )
     return list(out.offsets)
+
+
+def step_setup(
+    cfg: DictConfig, offsets: list[int], decode_samplings: dict[str, Sampling]
+) -> StepSetup:
+    """What every step computes with (train/core/step.py): cfg.loss, alpha measured at its
+    temperature and at the T > 0 ones of `decode_samplings` (train/eval/settings.py:
+    EvalSettings.samplings), cfg.train's offset weights, mask, clipping and feature noise."""
+    loss = LossSpec.from_settings(OmegaConf.to_container(cfg.loss, resolve=True))
+    samplings = [Sampling(temperature=loss.temperature)]
+    samplings += [s for s in decode_samplings.values() if not s.greedy]
+    tc = cfg.train
+    return StepSetup(
+        loss, list(offsets), samplings, float(tc.offset_decay),
+        bool(tc.get("mask_out_of_vocab", False)), tc.get("max_grad_norm"),
+        feature_noise=float(tc.get("feature_noise", 0.0)),
+    )  # fmt: skip
 
 
 def build_draft(cfg: DictConfig, target: Target, prepared: PreparedData, warm_start: bool):
