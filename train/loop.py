@@ -200,7 +200,8 @@ def train_run(cfg: DictConfig) -> dict:
     shared = tuple(target.model.parameters())
     draft = shard(strategy, draft, accelerator.device, setup.autocast, shared)
     oc, budget = cfg.optim, tc.get("time_budget_s")
-    optimizer = build_optimizer(draft.named_parameters(), **optimizer_settings(oc))  # optim.name
+    optim = optimizer_settings(OmegaConf.to_container(oc, resolve=True))  # optim.name and its own
+    optimizer = build_optimizer(draft.named_parameters(), **optim)
     clock = {"train_s": 0.0}  # training seconds so far: steps with their replay rollouts
     sched = resumed.schedule if resumed else schedule_settings(cfg)  # a run keeps its own
     sched_budget = sched["time_budget_s"]

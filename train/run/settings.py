@@ -84,7 +84,8 @@ def check_train(tc: DictConfig) -> None:
 
 
 def check_loss_and_optim(cfg: DictConfig) -> None:
-    loss = LossSpec.from_settings(cfg.loss)  # name, temperature, labels, the loss's options
+    # name, temperature, labels, the loss's options
+    loss = LossSpec.from_settings(OmegaConf.to_container(cfg.loss, resolve=True))
     vocab = cfg.get("draft", {}).get("model", {}).get("vocab_size", "full")
     if loss.labels_from_data and vocab != "full":
         raise ValueError(
@@ -99,7 +100,8 @@ def check_loss_and_optim(cfg: DictConfig) -> None:
         ("w", torch.zeros(2, 2, requires_grad=True)),
         ("b", torch.zeros(2, requires_grad=True)),
     ]
-    _named("optim", build_optimizer, probe, **optimizer_settings(oc))
+    settings = optimizer_settings(OmegaConf.to_container(oc, resolve=True))
+    _named("optim", build_optimizer, probe, **settings)
     if not oc.warmup_steps >= 0:
         raise ValueError(f"optim.warmup_steps must be >= 0, got {oc.warmup_steps}")
     if not 0.0 <= oc.min_lr_ratio <= 1.0:
