@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from models.dtype_choice import machine_key
@@ -38,7 +37,7 @@ from train.core.step import train_step
 from train.data.prepare import collate, prepare_data
 from train.phase_memory import give_back_freed
 from train.run.settings import eval_settings
-from train.run.setup import preflight, step_setup
+from train.run.setup import instantiate, preflight, step_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_DTYPES = ("float32", "bfloat16")

@@ -215,7 +215,9 @@ def composed_config(overrides: list[str]) -> DictConfig:
 
 def imported_draft(cfg: DictConfig, path: Path, target: Target) -> torch.nn.Module:
     """The draft cfg.draft builds for `target`, with the draft saved in `path` loaded into it."""
-    draft = hydra.utils.instantiate(cfg.draft.model, target=target, token_counts=None)
+    # plain lists and dicts for the builder, as a run builds it (train/run/setup.py)
+    model = cfg.draft.model
+    draft = hydra.utils.instantiate(model, target=target, token_counts=None, _convert_="all")
     fmt = init_draft_from(path, draft, target, cfg.draft)
     progress(f"{path}: {fmt} format, loaded into draft={cfg.draft.kind}")
     return draft.eval()

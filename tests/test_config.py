@@ -15,6 +15,7 @@ import train.run.resolvers  # noqa: F401  (registers ${safe_dirname:}, as train.
 from train.losses.divergences import LOSSES, loss_options
 from train.run.resolvers import MAX_DIRNAME
 from train.run.settings import check_settings
+from train.run.setup import instantiate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -206,3 +207,12 @@ def test_no_yaml_comment_block_is_longer_than_three_lines():
         f"{len(long_blocks)} comment blocks longer than {MAX_COMMENT_BLOCK} lines "
         "(move figures and history to docs/results.md):\n" + "\n".join(long_blocks)
     )
+
+
+def test_a_builder_gets_plain_values_not_the_config():
+    """The run's instantiate (train/run/setup.py) hands a `_target_` builder (a target loader,
+    a draft's from_target) plain lists and dicts: models/ never sees a DictConfig."""
+    node = OmegaConf.create({"_target_": "builtins.dict", "layers": [2, 5], "rope": {"theta": 1}})
+    built = instantiate(node, extra=3)
+    assert built == {"layers": [2, 5], "rope": {"theta": 1}, "extra": 3}
+    assert type(built["layers"]) is list and type(built["rope"]) is dict

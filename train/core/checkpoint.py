@@ -235,7 +235,10 @@ def load_draft(
     """Rebuild a trained draft from a checkpoint directory for `target` (strict load)."""
     draft_state, draft_yaml, _ = load_checkpoint(path)
     draft_cfg = OmegaConf.create(draft_yaml)
-    draft = hydra.utils.instantiate(draft_cfg.model, target=target, token_counts=None)
+    # plain lists and dicts for the builder, as the run built it (train/run/setup.py)
+    draft = hydra.utils.instantiate(
+        draft_cfg.model, target=target, token_counts=None, _convert_="all"
+    )
     draft.load_state_dict(draft_state, strict=True)
     return draft.to(device or target.device)
 

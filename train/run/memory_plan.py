@@ -168,7 +168,9 @@ def plan_memory(
         skip_check = mock.patch.object(vocab, "check", lambda m: setattr(m, "vocab_ready", True))
         # fork_rng: a draft that seeds itself leaves the run's RNG as it was
         with torch.random.fork_rng(devices=[]), torch.device("meta"), MetaScalars(), skip_check:
-            draft = hydra.utils.instantiate(draft_node, target=target, token_counts=counts)
+            draft = hydra.utils.instantiate(
+                draft_node, target=target, token_counts=counts, _convert_="all"
+            )
     except Exception as err:  # a draft loaded from files (init_from) cannot be built on meta
         why = f"{type(err).__name__}: {err}"
         notes.append(f"the draft was not built on the meta device ({why}); its lines are 0")

@@ -47,10 +47,12 @@ from train.run.settings import gpu_index
 
 
 def instantiate(node: DictConfig, **kwargs):
-    """hydra.utils.instantiate, re-raising the builder's own error (its message says what
-    to fix) instead of hydra's InstantiationException wrapper."""
+    """hydra.utils.instantiate, its builder given plain lists and dicts (`_convert_="all"`:
+    hydra's default hands it ListConfigs and DictConfigs, and models/ takes values, not the
+    config), re-raising the builder's own error (its message says what to fix) instead of
+    hydra's InstantiationException wrapper."""
     try:
-        return hydra.utils.instantiate(node, **kwargs)
+        return hydra.utils.instantiate(node, _convert_="all", **kwargs)
     except InstantiationException as err:
         cause = err.__cause__
         unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
