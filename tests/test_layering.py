@@ -202,3 +202,34 @@ def test_train_has_few_loose_files_and_design_names_every_file():
         and f"`{p.name}`" not in rows.get(p.parent.name + "/", "")
     ]  # fmt: skip
     assert not unnamed, f"docs/design.md's table of train/'s rooms names no {unnamed}"
+
+
+# Past the set-up the config travels no further (docs/design.md §1): train/run/ reads it once and
+# hands each room below the values it uses, so no module under it imports omegaconf. The only
+# modules that do read a file a run wrote, as a run wrote it.
+READS_A_RUNS_FILES = {
+    "train/core/checkpoint.py": "rebuilds a checkpoint's draft from its saved draft.yaml",
+    "train/formats/export.py": "loads a checkpoint's saved config.yaml to rebuild its target",
+    "train/formats/kinds.py": "reads a checkpoint's saved draft.yaml for its export kind",
+    "train/report/runs.py": "loads finished runs' config.yaml to group and compare them",
+}
+BELOW_THE_SET_UP = [
+    p for p in TRAIN_FILES if room_of(module_name(p)) in ROOMS[: ROOMS.index("run")]
+]
+
+
+@pytest.mark.parametrize("path", BELOW_THE_SET_UP, ids=lambda p: str(p.relative_to(ROOT)))
+def test_rooms_below_the_set_up_take_values_not_the_config(path: Path):
+    name = str(path.relative_to(ROOT))
+    config = [
+        f"{name}:{line} imports {module}"
+        for line, module, _ in imports(path)
+        if module.split(".")[0] == "omegaconf"
+    ]
+    if name in READS_A_RUNS_FILES:
+        assert config, f"{name} no longer reads a run's files: drop it from READS_A_RUNS_FILES"
+        return
+    assert not config, (
+        "the config stops at train/run/ (it builds the values each room takes, e.g. "
+        "train/run/settings.py: eval_settings): " + "; ".join(config)
+    )
