@@ -14,7 +14,9 @@ a run fills (train/data/); `data.regenerate=false` times the source answers inst
 lengths) when nothing is cached yet. Prints a table and the machine (CPU model, ATen's CPU
 capability, oneDNN ISA cap, torch, threads); --out writes JSON. --trim adds a twin of every
 row that first gives the freed heap back (train/phase_memory.py: give_back_freed, which the
-loop calls after every step), so its cost, the pages faulted in again included, is timed.
+loop calls after every step), so its cost, the pages faulted in again included, is timed;
+--mmap-threshold BYTES a twin that runs with glibc's mmap threshold fixed at BYTES (every
+larger tensor mapped and unmapped on its own), the other rows at 32 MiB.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from models.dtype_choice import machine_key
 from train.core.schedule import global_rows, rank_chunks
 from train.core.step import train_step
 from train.data.prepare import collate, prepare_data
-from train.phase_memory import give_back_freed
+from train.phase_memory import DYNAMIC_MMAP_CEILING, give_back_freed, set_mmap_threshold
 from train.run.settings import eval_settings
 from train.run.setup import instantiate, preflight, step_setup
 
@@ -50,6 +52,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=eagle_tv")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over the rows")
     ap.add_argument("--out", help="write the JSON here too")
+    ap.add_argument("--mmap-threshold", type=int, metavar="BYTES",
+                    help="each row also as a twin run with glibc's mmap threshold fixed at BYTES "
+                    "(the others at 32 MiB, where glibc's own threshold ends)")  # fmt: skip
     ap.add_argument("--trim", action="store_true",
                     help="each row also as a twin that gives the freed heap back first (glibc "
                     "malloc_trim, as the loop does after every step): its cost, refaults included")  # fmt: skip
@@ -86,6 +91,12 @@ def main() -> None:
             steps[name] = step
             if args.trim:  # the trim, then the step that faults the given-back pages in again
                 steps[name + ", heap trimmed"] = lambda step=step: (give_back_freed(), step())
+            if args.mmap_threshold:
+                steps[name + f", mmap threshold {args.mmap_threshold}"] = lambda step=step: (
+                    with_threshold(args.mmap_threshold, step)
+                )
+    if args.mmap_threshold:  # the plain rows at the ceiling of glibc's dynamic threshold
+        set_mmap_threshold(DYNAMIC_MMAP_CEILING)
     for fn in steps.values():  # warm-up, untimed
         fn()
     names, seconds = list(steps), {name: [] for name in steps}
@@ -118,6 +129,15 @@ def main() -> None:
                   "repeats": args.repeats, "rows": table}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def with_threshold(nbytes: int, step) -> None:
+    """`step` with glibc's mmap threshold at `nbytes`, then back at the dynamic ceiling."""
+    set_mmap_threshold(nbytes)
+    try:
+        step()
+    finally:
+        set_mmap_threshold(DYNAMIC_MMAP_CEILING)
 
 
 if __name__ == "__main__":

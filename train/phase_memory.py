@@ -52,6 +52,22 @@ def give_back_freed() -> None:
         MALLOC_TRIM(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+DYNAMIC_MMAP_CEILING = 32 << 20  # the most glibc's dynamic threshold rises to (64-bit)
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """glibc: every allocation of at least `nbytes` mapped on its own and unmapped when freed
+    (`mallopt(M_MMAP_THRESHOLD)`). glibc otherwise raises the threshold to the largest block
+    freed so far, up to 32 MiB, and serves smaller ones from a heap that fragments. False
+    where there is no glibc."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
+
+
 def reset_peak_rss() -> bool:
     """Reset this process's VmHWM to its current RSS; False where the kernel cannot."""
     try:
