@@ -6,6 +6,7 @@ one-process run regenerates 32 training rows (the others train on the shipped pa
 
     python scripts/bench_memory.py --out docs/reports/memory_plan.json
     python scripts/bench_memory.py --summary runs/eagle_tv/.../summary.json   # add a run's
+    python scripts/bench_memory.py --summary .../summary.json --as-recorded --only   # just it
 
 Each run writes summary.json `memory` (train/loop.py): the plan's bytes per phase
 (train/run/memory_plan.py: MemoryPlan.phase_bytes) beside the main rank's measured peak RSS in
@@ -30,7 +31,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from models.target_loaders import target_config
-from train.run.memory_plan import plan_for_run
+from train.run.memory_plan import plan_for_run, with_heldout_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -62,13 +63,14 @@ def command(launcher: list[str], overrides: list[str], run_dir: Path) -> list[st
 
 def replan(run_dir: Path, memory: dict) -> dict:
     """`memory` with the plan this code makes for the run's config.yaml (its target dtype,
-    ranks and process baseline as recorded): a run measured before a change of the plan
-    is compared with the plan as it is now."""
+    ranks, process baseline and held-out batches as recorded): a run measured before a
+    change of the plan is compared with the plan as it is now."""
     cfg = OmegaConf.load(run_dir / "config.yaml")
     recorded = memory["plan"]
     config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
     plan = plan_for_run(cfg, config, name, recorded["target_dtype"], recorded["ranks"],
                         recorded["sharded"], False, recorded["baseline_bytes"])  # fmt: skip
+    plan = with_heldout_shapes(plan, recorded.get("heldout_shapes") or [])  # as the run did
     planned = plan.phase_bytes()
     phases = {k: {**v, "plan_bytes": planned.get(k)} for k, v in memory.get("phases", {}).items()}
     return {**memory, "plan_peak_bytes": plan.peak_bytes(), "phases": phases}
@@ -104,17 +106,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the JSON here")
     parser.add_argument("--summary", type=Path, nargs="*", default=[], help="finished runs' summary.json to add")  # fmt: skip
+    parser.add_argument("--as-recorded", action="store_true",
+                        help="take --summary runs' plans as they recorded them (runs of this code)")  # fmt: skip
     parser.add_argument("--only", nargs="*", help="run only these launches (names as printed)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary dir)")  # fmt: skip
     args = parser.parse_args()
     results: dict[str, dict] = {}
     for path in args.summary:
         summary = json.loads(path.read_text())
-        memory = replan(path.parent, summary["memory"])  # the plan as this code makes it
+        memory = summary["memory"]
+        if not args.as_recorded:
+            memory = replan(path.parent, memory)  # the plan as this code makes it
         results[f"{summary['name']} ({path.parent})"] = {"command": "as run", **compare(memory)}  # fmt: skip
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_memory_"))
     for i, (name, (launcher, extra)) in enumerate(LAUNCHES.items()):
-        if args.only and name not in args.only:
+        if args.only is not None and name not in args.only:  # --only alone: none
             continue
         run_dir = workdir / f"run{i}"
         cmd = command(launcher, extra, run_dir)

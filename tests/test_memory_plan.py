@@ -196,6 +196,6 @@ def test_the_held_out_pass_is_re_planned_with_its_batches_as_they_are():
     short = with_heldout_shapes(copy.copy(bound), [(4, 300), (3, 120)])
     per_token = bound.feature_cache_bytes_per_token
     taps = (4 * 300 + 3 * 120) * per_token
-    assert short.heldout_kept_bytes == taps
+    assert short.heldout_kept_bytes == taps and short.heldout_shapes == [(4, 300), (3, 120)]
     assert short.heldout_bytes == taps + 4 * 300 * bound.heldout_position_bytes
     assert with_heldout_shapes(copy.copy(bound), []).heldout_bytes == bound.heldout_bytes

@@ -88,6 +88,7 @@ class MemoryPlan:
     heldout_bytes: int = 0  # train.heldout_proxy: its checkpoint-time pass (0: off)
     heldout_kept_bytes: int = 0  # its rows' taps, cached by the first pass and kept after it
     heldout_position_bytes: int = 0  # a held-out batch's transients per position (rows x length)
+    heldout_shapes: list[tuple[int, int]] | None = None  # its batches, once known (re-planned)
     no_grad_bytes: int | None = None  # a forward's draft logits and loss copies, no gradients
     regeneration_bytes: int = 0  # the data phase: the target answering the training prompts
     heldout_regeneration_bytes: int = 0  # the feature pass: answering the held-out prompts
@@ -331,6 +332,7 @@ def with_heldout_shapes(plan: MemoryPlan, shapes: list[tuple[int, int]]) -> Memo
     tokens = sum(rows * length for rows, length in shapes)
     taps = tokens * plan.feature_cache_bytes_per_token
     widest = max(rows * length for rows, length in shapes)
+    plan.heldout_shapes = [(int(rows), int(length)) for rows, length in shapes]
     plan.heldout_bytes = taps + widest * plan.heldout_position_bytes
     plan.heldout_kept_bytes = taps if plan.heldout_kept_bytes else 0
     return plan
