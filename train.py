@@ -17,10 +17,14 @@ from omegaconf import DictConfig
 
 import train.run.resolvers  # noqa: F401  (${safe_dirname:}, which run_dir uses)
 from train.loop import run
+from train.phase_memory import HEAP_MMAP_THRESHOLD, set_mmap_threshold
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    # process-wide and for good (glibc cannot go back to its own threshold): set by the
+    # entry points, not by run(), so a caller running it in-process keeps its allocator
+    set_mmap_threshold(HEAP_MMAP_THRESHOLD)
     try:
         run(cfg)
     except (ValueError, FileNotFoundError, FileExistsError) as err:  # a refusal, not a crash

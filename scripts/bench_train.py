@@ -12,11 +12,13 @@ loop's first-epoch order). The rows run INTERLEAVED, the order rotated by one pe
 and report the median and min-max over --repeats. The training data is read from the cache
 a run fills (train/data/); `data.regenerate=false` times the source answers instead (other
 lengths) when nothing is cached yet. Prints a table and the machine (CPU model, ATen's CPU
-capability, oneDNN ISA cap, torch, threads); --out writes JSON. --trim adds a twin of every
-row that first gives the freed heap back (train/phase_memory.py: give_back_freed, which the
-loop calls after every step), so its cost, the pages faulted in again included, is timed;
+capability, oneDNN ISA cap, torch, threads); --out writes JSON. The rows run with glibc's
+own mmap threshold (train.py fixes it at 1 MiB: --mmap-threshold 1048576 times that).
+--trim adds a twin of every row that first gives the freed heap back (train/phase_memory.py:
+give_back_freed), so a trim between steps is timed with the pages it faults in again;
 --mmap-threshold BYTES a twin that runs with glibc's mmap threshold fixed at BYTES (every
-larger tensor mapped and unmapped on its own), the other rows at 32 MiB.
+larger tensor mapped and unmapped on its own), the other rows then at 32 MiB, the most
+glibc's own threshold rises to.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def main() -> None:
                     "(the others at 32 MiB, where glibc's own threshold ends)")  # fmt: skip
     ap.add_argument("--trim", action="store_true",
                     help="each row also as a twin that gives the freed heap back first (glibc "
-                    "malloc_trim, as the loop does after every step): its cost, refaults included")  # fmt: skip
+                    "malloc_trim): a trim between steps, refaults included")  # fmt: skip
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")

@@ -80,6 +80,7 @@ from train.data.prepare import prepare_data
 from train.data.prompt_file import load_prompt_file, spread
 from train.eval.evaluate import evaluate_checkpoint, format_eval_table
 from train.formats.export import checkpoint_config, load_target
+from train.phase_memory import HEAP_MMAP_THRESHOLD, set_mmap_threshold
 from train.run.files import read_eval_prompts, route_third_party_output
 from train.run.identity import evaluate_differences, refusal
 from train.run.init_from import detect_format, init_draft_from
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    set_mmap_threshold(HEAP_MMAP_THRESHOLD)  # as train.py: the allocator a run evaluates with
     try:
         main()
     except (FileNotFoundError, ValueError) as err:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -48,7 +49,7 @@ COMMON = [
     "decode.num_prompts=2",
     "decode.max_new_tokens=16",
     "decode.k=3",
-    "train.dist_timeout_s=300",  # a collective no other rank joins raises, naming itself
+    "train.dist_timeout_s=450",  # a collective no other rank joins raises (< the launch limit)
 ]
 # PYTHONFAULTHANDLER: a process sent SIGABRT prints its threads' Python stacks (run_launch)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
@@ -80,10 +81,11 @@ def run_launch(strategy: str, run_dir: Path, *overrides: str) -> None:
                 psutil.Process(proc.pid),
             ]
             for p in everyone:
-                p.send_signal(signal.SIGABRT)
+                with contextlib.suppress(psutil.NoSuchProcess):  # one that ended meanwhile
+                    p.send_signal(signal.SIGABRT)
             psutil.wait_procs(everyone, timeout=30)
             for p in everyone:
-                if p.is_running():
+                with contextlib.suppress(psutil.NoSuchProcess):
                     p.send_signal(signal.SIGKILL)
             proc.wait()
             pytest.fail(f"the launch ran over {LAUNCH_TIMEOUT_S} s; its stacks and log's tail:\n"

@@ -42,7 +42,7 @@ from train.data.prompt_file import ood_prompts
 from train.disk import write_atomic
 from train.parallel.ranks import Ranks
 from train.parallel.strategy import check_processes, launch_strategy, shard, strategy_ran
-from train.phase_memory import PhaseMemory, set_mmap_threshold
+from train.phase_memory import PhaseMemory
 from train.report.tracking import RunLog, finish_tracking, init_tracking
 from train.run.files import (
     check_run_dir,
@@ -141,9 +141,6 @@ def train_run(cfg: DictConfig) -> dict:
     strategy = launch_strategy(replay_on, str(cfg.optim.get("name", "adamw")))
     accelerator = make_accelerator(cfg, tracking)
     memory = PhaseMemory(accelerator.device)  # peak RSS per phase: summary.json's memory
-    # tensors over 1 MiB mapped and unmapped on their own: batches of other lengths otherwise
-    # fragment glibc's heap step by step (docs/memory.md "Every phase of a run", measured)
-    set_mmap_threshold(1 << 20)
     check_processes(strategy, accelerator)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes  # fmt: skip
     run_dir, tc = Path(cfg.run_dir), cfg.train

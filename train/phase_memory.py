@@ -53,6 +53,9 @@ def give_back_freed() -> None:
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# What train.py and scripts/evaluate.py fix it at: tensors over 1 MiB mapped and unmapped on
+# their own, so batches of other lengths do not fragment the heap step by step (docs/memory.md)
+HEAP_MMAP_THRESHOLD = 1 << 20
 DYNAMIC_MMAP_CEILING = 32 << 20  # the most glibc's dynamic threshold rises to (64-bit)
 
 

@@ -86,7 +86,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     baseline_bytes: int = 0  # a CPU run: the process before the target (interpreter, libraries)
     heldout_bytes: int = 0  # train.heldout_proxy: its checkpoint-time pass (0: off)
-    heldout_kept_bytes: int = 0  # its rows' taps, cached by the first pass and kept after it
+    heldout_kept_bytes: int = 0  # its rows' taps, kept after its first pass (the main rank's)
     heldout_position_bytes: int = 0  # a held-out batch's transients per position (rows x length)
     heldout_shapes: list[tuple[int, int]] | None = None  # its batches, once known (re-planned)
     no_grad_bytes: int | None = None  # a forward's draft logits and loss copies, no gradients

@@ -340,7 +340,7 @@ def eval_settings(cfg: DictConfig) -> EvalSettings:
         num_prompts=dec.get("num_prompts"),
         warmup=int(dec.get("warmup", 1)),
         seed=int(dec.get("seed", cfg.seed)),
-        dtype=dec.get("dtype"),
+        dtype=str(dec.get("dtype", "auto")),
         draft_dtype=dec.get("draft_dtype"),
         same_dtype_ar=bool(dec.get("same_dtype_ar", True)),
         compile=dec.get("compile", False),
