@@ -33,14 +33,15 @@ def process_memory(key: str = "VmRSS") -> int | None:
     return None
 
 
-def _libc_trim():
+def _glibc(name: str):
+    """glibc's function `name`, or None where the C library is not glibc."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
         return None
 
 
-MALLOC_TRIM = _libc_trim()
+MALLOC_TRIM, MALLOPT = _glibc("malloc_trim"), _glibc("mallopt")
 
 
 def give_back_freed() -> None:
@@ -64,11 +65,7 @@ def set_mmap_threshold(nbytes: int) -> bool:
     (`mallopt(M_MMAP_THRESHOLD)`). glibc otherwise raises the threshold to the largest block
     freed so far, up to 32 MiB, and serves smaller ones from a heap that fragments. False
     where there is no glibc."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
+    return MALLOPT is not None and bool(MALLOPT(M_MMAP_THRESHOLD, int(nbytes)))
 
 
 def reset_peak_rss() -> bool:
