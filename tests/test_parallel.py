@@ -66,6 +66,20 @@ def launch(strategy: str, run_dir: Path, *overrides: str) -> list[str]:
     ]  # fmt: skip
 
 
+def signal_launch(
+    proc: subprocess.Popen, sig: int, everyone: list[psutil.Process] | None = None
+) -> list[psutil.Process]:
+    """Send `sig` to a launch's ranks, then to the launcher (torch's elastic agent starts each
+    rank in a session of its own: one by one); skips one that ended meanwhile. Returns them,
+    the launcher last."""
+    if everyone is None:
+        everyone = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for p in everyone:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+    return everyone
+
+
 def run_launch(strategy: str, run_dir: Path, *overrides: str) -> None:
     """The launch to its end; one that outlives LAUNCH_TIMEOUT_S fails with every process's
     Python stack (faulthandler dumps them on SIGABRT) and the log's tail: where it waited."""
@@ -76,17 +90,9 @@ def run_launch(strategy: str, run_dir: Path, *overrides: str) -> None:
         try:
             proc.wait(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            everyone = [
-                *psutil.Process(proc.pid).children(recursive=True),
-                psutil.Process(proc.pid),
-            ]
-            for p in everyone:
-                with contextlib.suppress(psutil.NoSuchProcess):  # one that ended meanwhile
-                    p.send_signal(signal.SIGABRT)
+            everyone = signal_launch(proc, signal.SIGABRT)
             psutil.wait_procs(everyone, timeout=30)
-            for p in everyone:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.send_signal(signal.SIGKILL)
+            signal_launch(proc, signal.SIGKILL, everyone)
             proc.wait()
             pytest.fail(f"the launch ran over {LAUNCH_TIMEOUT_S} s; its stacks and log's tail:\n"
                         + log.read_text()[-12000:])  # fmt: skip
@@ -151,10 +157,7 @@ def two_ranks(request, tmp_path_factory) -> tuple[str, Path, Path, int]:
     assert proc.poll() is None, (
         "the run ended before it could be killed: " + ((root / "killed.log").read_text()[-3000:])
     )
-    # torch's elastic agent starts each rank in a session of its own: kill them one by one.
-    ranks = psutil.Process(proc.pid).children(recursive=True)
-    for p in [*ranks, psutil.Process(proc.pid)]:
-        p.send_signal(signal.SIGKILL)
+    ranks = signal_launch(proc, signal.SIGKILL)[:-1]
     proc.wait()
     psutil.wait_procs(ranks, timeout=30)
     resumed_at = load_checkpoint(list_checkpoints(killed)[-1])[2]["step"]
