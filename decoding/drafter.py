@@ -13,6 +13,9 @@ One decoding round, batch B, k draft tokens:
 
 Drafters keep their own state (KV caches, last features) between calls. One drafter per
 draft kind lives in decoding/drafters/ (`make_drafter` picks it for a trained draft).
+A drafter whose rounds leave work in the target's own cache (the self-speculative one)
+verifies through a view of the target it was built on, its `verify_target`; the decoder
+is then called with that view (train/eval/compiled.py: compiled_decoding).
 """
 
 from __future__ import annotations

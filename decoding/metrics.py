@@ -229,7 +229,13 @@ def decode_prompts(
 
 
 def path_of(target: Target | CompiledTarget) -> str:
-    return "compiled" if isinstance(target, CompiledTarget) else "eager"
+    """ "compiled" for a CompiledTarget or a drafter's view over one (`compiled`)."""
+    views = getattr(target, "compiled", None)  # selfspec's CompiledSharedCache
+    return (
+        "compiled"
+        if isinstance(target, CompiledTarget) or isinstance(views, CompiledTarget)
+        else "eager"
+    )
 
 
 def dtype_of(target: Target) -> str:

@@ -18,6 +18,8 @@ over h_L, HF hidden_states[L], the output of layer L-1).
 Decoding (decoding/drafters/selfspec.py) shares the target's ONE KV cache: a draft step
 runs layers < L on the drafted token, writing their KV into the target's cache, and the
 verify runs layers >= L only, from the cached h_L (`run_layers` runs any range of them).
+This module holds the eager view (`SharedCacheTarget`, a DynamicCache); the compiled one
+(`CompiledSharedCache`, a StaticKVCache) lives with the drafter.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.utils.output_capturing import _active_collector
 
 from models.masks import left_padding, positions_and_mask
 from models.protocol import DraftOutput
@@ -77,9 +80,13 @@ class SelfSpecExit(nn.Module):
     def exit_logits(self, hidden: Tensor, target: Target) -> Tensor:
         """[..., H] h_L -> [..., V] the draft's logits through the exit, the target's final
         norm and head (the exit in its own dtype, norm and head in the target's)."""
+        return target.head_logits(target.final_norm(self.adapt(hidden, target.dtype)))
+
+    def adapt(self, hidden: Tensor, dtype: torch.dtype) -> Tensor:
+        """[..., H] h_L -> [..., H] the exit's output in `dtype` (the target's), before the
+        target's final norm and head (which the compiled drafter runs as a frozen graph)."""
         x = hidden.to(self.down.weight.dtype)
-        x = x + self.up(F.silu(self.down(self.norm(x))))
-        return target.head_logits(target.final_norm(x.to(target.dtype)))
+        return (x + self.up(F.silu(self.down(self.norm(x))))).to(dtype)
 
     def forward(
         self,
@@ -177,6 +184,19 @@ class SharedCacheTarget:
 
     __call__ = forward
 
+    def shallow_step(
+        self, ids: Tensor, slot: int, pad: Tensor | None, cache: DynamicCache
+    ) -> Tensor:
+        """Layers < L on `ids` [B, 1], their KV appended to `cache` as its slot `slot` (a
+        drafting round's step) -> [B, 1, H] h_L."""
+        position, mask = positions_and_mask(slot, 1, pad, ids.device)  # [B|1, 1], mask
+        x = self.target.embed_tokens(ids)
+        return run_layers(self.target, x, 0, self.exit_layer, position, mask, cache)
+
+    def exit_logits(self, draft: SelfSpecExit, hidden: Tensor) -> Tensor:
+        """[B, H] h_L -> [B, V] the draft's logits."""
+        return draft.exit_logits(hidden, self.target)
+
 
 def run_layers(
     target: Target,
@@ -192,15 +212,22 @@ def run_layers(
     (pre-norm: HF hidden_states[stop])."""
     model = target.model.model
     rope = model.rotary_emb(hidden, position_ids)  # cos, sin
-    for layer in model.layers[start:stop]:
-        hidden = layer(
-            hidden,
-            attention_mask=mask,
-            position_ids=position_ids,
-            position_embeddings=rope,
-            cache=cache,
-            use_cache=cache is not None,
-        )
+    # transformers' output-capturing hooks on each layer read a ContextVar, which dynamo can
+    # trace only once a model's own forward has set it: set to capture nothing, as a forward
+    # asking for no extra outputs does (and reset, so no state outlives the call)
+    token = _active_collector.set({})
+    try:
+        for layer in model.layers[start:stop]:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                position_embeddings=rope,
+                cache=cache,
+                use_cache=cache is not None,
+            )
+    finally:
+        _active_collector.reset(token)
     return hidden
 
 

@@ -7,6 +7,9 @@ forward of T tokens writes slots [length, length + T). Attention reads all max_l
 the caller's 4D mask hides the slots past the sequence, so what a slot holds there
 (rolled-back drafts, padding) never matters.
 
+A layer range may also be written at slots of its own (`SlotWriter`, the self-speculative
+drafter's first layers, ahead of the rest): `length` then counts what every layer holds.
+
 Rollback is bookkeeping only: `crop` / `truncate` move `length` back and the next forward overwrites
 the stale slots; `compact` (tree decoding) copies the accepted path's entries down in
 place. `length` is a Python int, kept outside any compiled graph; a forward reads only
@@ -55,10 +58,17 @@ class StaticKVCache:
     ) -> tuple[Tensor, Tensor]:
         """Write this forward's [B, H_kv, T, D] at the reserved slots; return all max_len slots
         (what transformers' attention layers call)."""
+        return self.write(key_states, value_states, layer_idx, self.start)
+
+    def write(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, start: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """`update` at slots [start, start + T) of this layer, `start` a one-element device
+        tensor: a layer written ahead of the others (`SlotWriter`) moves no `length`."""
         if self.keys[layer_idx] is None:
             self._allocate(layer_idx, key_states, value_states)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        slots = self.start + torch.arange(key_states.shape[2], device=keys.device)  # [T]
+        slots = start + torch.arange(key_states.shape[2], device=keys.device)  # [T]
         keys.index_copy_(2, slots, key_states)
         values.index_copy_(2, slots, value_states)
         return keys, values
@@ -121,3 +131,19 @@ class StaticKVCache:
     def reset(self) -> None:
         """Empty, for the next prompt; the buffers (and their addresses) stay."""
         self.length = 0
+
+
+class SlotWriter:
+    """A cache for a range of layers that writes a StaticKVCache's buffers at slots of its own
+    (`start`, set before each forward) and leaves its `length` alone: a self-speculative
+    round (decoding/drafters/selfspec.py) runs the target's first layers on drafted tokens
+    ahead of the rest; the verify then writes the other layers at the same slots."""
+
+    def __init__(self, cache: StaticKVCache):
+        self.cache = cache
+        self.start = torch.zeros((), dtype=torch.long, device=cache.start.device)  # not static
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[Tensor, Tensor]:
+        return self.cache.write(key_states, value_states, layer_idx, self.start)

@@ -10,7 +10,8 @@ one-process run regenerates 32 training rows (the others train on the shipped pa
 
 Each run writes summary.json `memory` (train/loop.py): the plan's bytes per phase
 (train/run/memory_plan.py: MemoryPlan.phase_bytes) beside the main rank's measured peak RSS in
-that phase (train/phase_memory.py). Runs one at a time (each rank one thread); prints a
+that phase (train/phase_memory.py), with what the process held when that peak's phase
+began ("from": the peak less it is what the phase itself added). Runs one at a time (each rank one thread); prints a
 table and writes JSON: per run its command, the plan and the peak per phase, and
 measured / plan. `--summary` adds finished runs (the README's first run) to the table, with
 the plan this code makes for their config (their recorded target dtype, ranks and process
@@ -79,25 +80,27 @@ def replan(run_dir: Path, memory: dict) -> dict:
 def compare(memory: dict) -> dict:
     """Per phase and overall: plan, measured peak RSS, measured / plan."""
 
-    def row(plan: int | None, peak: int | None) -> dict:
+    def row(plan: int | None, peak: int | None, start: int | None = None) -> dict:
         ratio = round(peak / plan, 3) if plan and peak else None
-        return {"plan_bytes": plan, "peak_rss_bytes": peak, "measured_over_plan": ratio}
+        held = {} if start is None else {"start_rss_bytes": start}  # what the phase rose from
+        return {"plan_bytes": plan, "peak_rss_bytes": peak, **held, "measured_over_plan": ratio}
 
     phases = {
-        name: row(p.get("plan_bytes"), p.get("peak_rss_bytes"))
+        name: row(p.get("plan_bytes"), p.get("peak_rss_bytes"), p.get("start_rss_bytes"))
         for name, p in memory.get("phases", {}).items()
     }
     return {"overall": row(memory["plan_peak_bytes"], memory["peak_rss_bytes"]), "phases": phases}
 
 
 def table(results: dict) -> str:
-    lines = [f"{'run':34} {'phase':16} {'plan MiB':>9} {'peak MiB':>9} {'peak/plan':>9}"]
+    lines = [f"{'run':34} {'phase':16} {'plan MiB':>9} {'peak MiB':>9} {'peak/plan':>9} {'from MiB':>9}"]  # fmt: skip
     for run, result in results.items():
         for name, r in [("overall", result["overall"]), *result["phases"].items()]:
-            plan, peak = (None if b is None else b / 2**20 for b in (r["plan_bytes"], r["peak_rss_bytes"]))  # fmt: skip
+            plan, peak, start = (None if b is None else b / 2**20 for b in (r["plan_bytes"], r["peak_rss_bytes"], r.get("start_rss_bytes")))  # fmt: skip
             lines.append(
                 f"{run:34} {name:16} {plan or 0:9.0f} {peak or 0:9.0f} "
-                f"{r['measured_over_plan'] or float('nan'):9.3f}"
+                f"{r['measured_over_plan'] or float('nan'):9.3f} "
+                + ("" if start is None else f"{start:9.0f}")
             )
     return "\n".join(lines)
 

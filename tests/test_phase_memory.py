@@ -40,3 +40,22 @@ def test_each_phase_reads_its_own_peak_and_the_run_the_largest():
     # the 400 MB of "big" and the 200 MB of "nested" are not "small"'s: it read its own peak
     assert peaks["small"] - floor < 120 * MB
     assert record["peak_rss_bytes"] == max(peaks.values()) == peaks["big"]
+
+
+def test_a_phase_records_what_it_held_when_it_began():
+    """start_rss_bytes: the RSS a phase's largest peak rose from, so peak - start is what the
+    phase added (a phase begun with 300 MB held reads its own 100 MB above them)."""
+    give_back_freed()
+    reset_peak_rss()
+    memory = PhaseMemory(torch.device("cpu"))
+    held = torch.ones(300 * MB // 4)  # kept through the next phase
+    with memory.phase("on top"):
+        touch(100 * MB)
+    del held
+    with memory.phase("alone"):
+        touch(100 * MB)
+    phases = memory.record()["phases"]
+    on_top, alone = phases["on top"], phases["alone"]
+    assert 90 * MB < on_top["peak_rss_bytes"] - on_top["start_rss_bytes"] < 140 * MB
+    assert 90 * MB < alone["peak_rss_bytes"] - alone["start_rss_bytes"] < 140 * MB
+    assert on_top["start_rss_bytes"] - alone["start_rss_bytes"] > 280 * MB

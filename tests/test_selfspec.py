@@ -13,6 +13,8 @@ from decoding.compiled import CompiledTarget
 from decoding.drafter import Sampling
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import with_lookup
+from decoding.drafters.selfspec import CompiledSharedCache
+from decoding.inductor import STATS
 from decoding.spec import generate
 from models.selfspec import SharedCacheTarget, from_target
 from models.target import Target
@@ -184,16 +186,115 @@ def test_sampling_matches_the_targets_distribution(sampling):
     assert g_test(samples, table) > P_THRESHOLD
 
 
-def test_drafter_refuses_a_plain_or_compiled_target(close):
+def test_drafter_refuses_a_plain_target(close):
     draft = exit_after(close, 2)
     with pytest.raises(ValueError, match="decoding_target"):
         make_drafter(draft, close)
-    compiled = CompiledTarget(close, 64, (1, 4), mode=None)
-    with pytest.raises(ValueError, match="eagerly only"):
-        make_drafter(draft, compiled)
     with pytest.raises(ValueError, match="exit_layer=4"):
         from_target(close, exit_layer=4)
     assert isinstance(draft.decoding_target(close), SharedCacheTarget)
+
+
+def compiled_pair(target: Target, draft, mode: str | None, batch: int = 1, widths=(1, 4)):
+    """The compiled target and the drafter on it, as train/eval/compiled.py builds them."""
+    compiled = CompiledTarget(target, 96, widths, (), mode, batch_size=batch)
+    compiled.warmup()
+    drafter = make_drafter(draft, compiled)
+    return compiled, drafter, drafter.verify_target
+
+
+def test_compiled_rounds_share_the_compiled_targets_one_cache(close):
+    """On the compiled path the drafter writes layers < L into the compiled target's static
+    cache at slots past the committed length (the length moves only with the verify); the
+    verify's logits are a plain forward's, every layer's slots then hold the plain
+    forward's keys, and no second cache is allocated."""
+    L, k = 2, 3
+    draft = exit_after(close, L, noise=0.1)
+    compiled, drafter, view = compiled_pair(close, draft, "aot_eager")
+    assert isinstance(view, CompiledSharedCache) and view.target is close
+    ids = prompt_ids(close, PROMPTS[1])
+    out = view(ids)
+    cache, past = out.cache, ids.shape[1]
+    assert cache is compiled.cache
+    drafter.prefill(ids, out)
+    last = out.logits[:, -1].argmax(-1)  # [1]
+    drafts, _ = drafter.propose(last, k, Sampling())
+    assert cache.length == past and drafter.cache is cache  # drafting moved no length
+    step = torch.cat([last[:, None], drafts], 1)  # [1, k + 1]
+    position = torch.arange(past, past + k + 1, device=DEVICE)[None]
+    verified = view(step, cache=cache, position_ids=position)
+    assert cache.length == past + k + 1 and view.drafted is None
+    plain = close(torch.cat([ids, step], 1))
+    torch.testing.assert_close(verified.logits, plain.logits[:, past:], atol=1e-5, rtol=1e-5)
+    for layer in range(LAYERS):  # layers < L from the drafting steps, >= L from the verify
+        want = plain.cache.layers[layer].keys[..., : past + k + 1, :]
+        got = cache.keys[layer][..., : past + k + 1, :]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert sum(t is not None for t in cache.keys) == LAYERS  # one buffer per layer, that's all
+
+
+@pytest.mark.parametrize("mode", [None, "aot_eager"])
+def test_compiled_greedy_equals_the_targets_greedy_with_no_compile_while_decoding(close, mode):
+    """A padded batch, prompt lookup and the early stop on the compiled path: the target's
+    greedy output; after the warm-ups nothing compiles (aot_eager traces and guards as
+    inductor does)."""
+    ids, mask = left_pad([prompt_ids(close, p) for p in PROMPTS], close.tokenizer.pad_token_id)
+    refs = refs_of(close)
+    draft = exit_after(close, 2, noise=0.2)
+    stopping = exit_after(close, 2, noise=0.2, stop_below=0.3)
+    compiled, drafter, view = compiled_pair(close, draft, mode, batch=len(PROMPTS))
+    stop_drafter = make_drafter(stopping, compiled)
+    graphs = STATS.graphs
+    out = generate(view, ids, drafter, k=3, max_new_tokens=24, attention_mask=mask,
+                   eos_token_ids=NO_EOS)  # fmt: skip
+    assert out.sequences == refs
+    out = generate(stop_drafter.verify_target, ids, stop_drafter, k=3, max_new_tokens=24,
+                   attention_mask=mask, eos_token_ids=NO_EOS)  # fmt: skip
+    assert out.sequences == refs
+    assert min(out.draft_lens) < 3  # rounds stopped early: the verify padded to width 4
+    assert STATS.graphs == graphs, f"{STATS.graphs - graphs} graphs compiled while decoding"
+    _, single, single_view = compiled_pair(close, draft, mode)
+    looked, accepted = with_lookup(single, 1), []
+    for text, ref in zip(PROMPTS, refs, strict=True):
+        for drafter_ in (single, looked):
+            out = generate(single_view, prompt_ids(close, text), drafter_, k=3,
+                           max_new_tokens=24, eos_token_ids=NO_EOS)  # fmt: skip
+            assert out.sequences == [ref]
+        accepted += out.accept_counts
+    assert max(accepted) > 0 and min(accepted) < 3  # rounds kept drafts, and cut some
+    assert looked.lookup_rounds > 0  # lookup drafted some rounds, the exit the others
+
+
+def test_a_compiled_exact_exit_is_accepted_every_round(exact):
+    """The exit after layer 1 is the target: on the compiled path too every draft is
+    accepted, so the KV the drafting steps left in layers < L is the one the verify needs."""
+    k = 3
+    draft = exit_after(exact, 2)
+    _, drafter, view = compiled_pair(exact, draft, "aot_eager")
+    ids = prompt_ids(exact, PROMPTS[0])
+    out = generate(view, ids, drafter, k=k, max_new_tokens=1 + 3 * (k + 1), eos_token_ids=NO_EOS)
+    assert out.accept_counts == [k] * 3
+    assert out.sequences == [hf_greedy(exact, ids, 1 + 3 * (k + 1), NO_EOS)]
+
+
+def test_compiled_sampling_matches_the_targets_distribution():
+    """The compiled path's rounds (the static cache, its slots ahead, the padded verify;
+    mode None: the graphs' code uncompiled) sample the target's exact distribution."""
+    close = layered_target(0.1)
+    sampling = Sampling(temperature=1.0)
+    ids = prompt_ids(close, "hello there")
+    table = exact_triples(close, ids, sampling, min_p=5 / N_SINGLE)
+    draft = exit_after(close, 2, noise=0.02)
+    _, drafter, view = compiled_pair(close, draft, None, widths=(1, 3))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    samples, accepts = [], []
+    for _ in range(N_SINGLE):
+        out = generate(view, ids, drafter, k=2, sampling=sampling, max_new_tokens=4,
+                       generator=gen, eos_token_ids=NO_EOS)  # fmt: skip
+        samples.append(tuple(out.sequences[0][:3]))
+        accepts.append(out.accept_counts[0])
+    assert {0, 1, 2} <= set(accepts)
+    assert g_test(samples, table) > P_THRESHOLD
 
 
 def test_training_reads_h_L_and_a_fresh_exit_is_the_plain_early_exit(close):
@@ -225,3 +326,18 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert got == want and len(got) == 4
     for name, value in load_checkpoint(newest)[0].items():
         assert torch.equal(value, want_state[name]), name
+
+
+def test_cpp_gemm_compiled_rounds_equal_the_eager_ones(close):
+    """The CPU's mode, inductor code with the target's weights frozen into the three graphs
+    (the exit's adapter stays eager): round for round the eager decode."""
+    draft = exit_after(close, 2, noise=0.02)
+    view = draft.decoding_target(close)
+    # width 4 alone: the rounds' graphs are the view's; the compiled target's own at width 1
+    # (the AR's) is the one every kind shares, tested in tests/test_compiled.py
+    _, drafter, compiled_view = compiled_pair(close, draft, "cpp-gemm", widths=(4,))
+    kw = dict(k=3, max_new_tokens=16, eos_token_ids=NO_EOS)
+    for text in PROMPTS[:2]:
+        eager = generate(view, prompt_ids(close, text), make_drafter(draft, view), **kw)
+        got = generate(compiled_view, prompt_ids(close, text), drafter, **kw)
+        assert (got.sequences, got.accept_counts) == (eager.sequences, eager.accept_counts)

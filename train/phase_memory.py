@@ -90,8 +90,10 @@ class PhaseMemory:
     def __init__(self, device: torch.device, outside: str = "start-up") -> None:
         self.cuda = device if device.type == "cuda" else None
         self.rss: dict[str, int | None] = {}
+        self.starts: dict[str, int | None] = {}  # RSS when the phase's largest peak began
         self.cuda_peak: dict[str, int] = {}
         self.stack = [outside]
+        self.opened: list[int | None] = [None]  # RSS at each open phase's (re)start
         self.resets = True  # until the kernel refuses one
         PhaseMemory.current = self
 
@@ -100,22 +102,26 @@ class PhaseMemory:
         (`give_back_freed`), then reset: the next phase starts from what is still held."""
         name = self.stack[-1]
         peak = process_memory("VmHWM")
-        if peak is not None:
-            self.rss[name] = max(self.rss.get(name) or 0, peak)
+        if peak is not None and peak >= (self.rss.get(name) or 0):
+            self.rss[name], self.starts[name] = peak, self.opened[-1]
         give_back_freed()
         if self.cuda is not None:
             allocated = torch.cuda.max_memory_allocated(self.cuda)
             self.cuda_peak[name] = max(self.cuda_peak.get(name, 0), allocated)
             torch.cuda.reset_peak_memory_stats(self.cuda)
         self.resets = self.resets and reset_peak_rss()
+        self.opened[-1] = process_memory()  # the phase goes on (or the next starts) from here
 
     def begin(self, name: str) -> None:
         self.close_current()
         self.stack.append(name)
+        self.opened.append(self.opened[-1])
 
     def end(self) -> None:
         self.close_current()
         self.stack.pop()
+        self.opened.pop()
+        self.opened[-1] = process_memory()  # the enclosing phase resumes from here
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -127,12 +133,18 @@ class PhaseMemory:
 
     def record(self) -> dict:
         """{"peak_rss_bytes": the run's peak so far, "phases": {name: {"peak_rss_bytes",
-        "peak_cuda_allocated_bytes"}}}; without resets (not Linux) the phases after the first
-        hold the run's peak so far, not their own, and are left out."""
+        "start_rss_bytes", "peak_cuda_allocated_bytes"}}}: start_rss_bytes is what the process
+        held when the phase's largest peak began (its peak less it: what the phase itself
+        added); without resets (not Linux) the phases after the first hold the run's peak
+        so far, not their own, and are left out."""
         self.close_current()
         known = [b for b in self.rss.values() if b is not None]
         phases = {
-            name: {"peak_rss_bytes": peak, "peak_cuda_allocated_bytes": self.cuda_peak.get(name)}
+            name: {
+                "peak_rss_bytes": peak,
+                "start_rss_bytes": self.starts.get(name),
+                "peak_cuda_allocated_bytes": self.cuda_peak.get(name),
+            }
             for name, peak in self.rss.items()
         }
         return {

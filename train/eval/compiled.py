@@ -14,7 +14,7 @@ import torch
 
 from decoding.compiled import CompiledTarget
 from decoding.drafter import Drafter
-from decoding.drafters import drafter_class, make_drafter
+from decoding.drafters import make_drafter
 from decoding.drafters.lookup import with_lookup
 from decoding.timing import forward_seconds
 from models import dtype_choice
@@ -33,6 +33,9 @@ class DecodeCopies:
     compiled: CompiledTarget | None = None  # decode.compile: its compiled target, and the
     draft: torch.nn.Module | None = None  # draft copy (weights copied in at each checkpoint)
     drafter: Drafter | None = None  # and drafter whose graphs read them
+    # what the compiled speculative decode verifies with: the compiled target, or the
+    # drafter's view of it (`verify_target`: selfspec's rounds leave work in its cache)
+    spec_target: CompiledTarget | None = None
 
 
 # decode.compile=auto on a CPU that never compiled this decode: what to do about it
@@ -46,9 +49,6 @@ def describe_compile(choice: dict, setting: str) -> str:
     """The console's line for `compile_choice`'s record."""
     times = "".join(f", {k} {v:.0f} s" if k in ("compile", "saved at most") else
                     f", {k} {v * 1e3:.1f} ms" for k, v in choice["seconds"].items())  # fmt: skip
-    if choice["source"] == "eager drafter":
-        path = "the AR compiled, " if choice["dtype"] == "compiled" else ""
-        return f"decode path: {path}the speculative decode eager (its drafter decodes eagerly only)"
     if setting == "only":  # compiled whatever the verdict
         return f"decode path: compiled (only; the faster verify: {choice['dtype']}{times})"
     hint = UNMEASURED if choice["source"] == "unmeasured" else ""
@@ -77,17 +77,15 @@ def compiled_verify_timed(
 def compiled_decoding(
     copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
     settings: EvalSettings, max_len: int,
-) -> tuple[CompiledTarget, Drafter]:  # fmt: skip
-    """The compiled target and drafter for this checkpoint's `draft_eval`. Built once; later
-    checkpoints load their weights into the kept draft copy (and a Medusa-2 adapted target)
-    in place: a new module would compile new graphs."""
+) -> tuple[CompiledTarget, CompiledTarget, Drafter]:  # fmt: skip
+    """The compiled target (the AR's), what the speculative decode verifies with (the same,
+    or the drafter's `verify_target`) and the drafter for this checkpoint's `draft_eval`.
+    Built once; later checkpoints load their weights into the kept draft copy (and a
+    Medusa-2 adapted target) in place: a new module would compile new graphs."""
     adapted = adapts_target(decode_target, copies.target)  # Medusa-2: weights change
-    drafts_compiled = compiles(draft_eval)
     if copies.compiled is None:
         k, tree = settings.k, settings.tree
         widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
-        if not drafts_compiled:  # the AR's graph alone: the speculative decode runs eagerly
-            widths = (1,)
         if tree is None and settings.adaptive_k:
             widths += (2 * k + 1,)  # adaptive k reaches 2k
         levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
@@ -99,18 +97,14 @@ def compiled_decoding(
         copies.compiled.warmup()
         lookup = settings.lookup_min_match
         copies.draft = draft_eval
-        if drafts_compiled:
-            copies.drafter = with_lookup(make_drafter(draft_eval, copies.compiled), lookup)
-    elif drafts_compiled:
+        drafter = make_drafter(draft_eval, copies.compiled)
+        copies.spec_target = getattr(drafter, "verify_target", copies.compiled)
+        copies.drafter = with_lookup(drafter, lookup)
+    else:
         copies.draft.load_state_dict(draft_eval.state_dict())
         if adapted:
             copies.compiled.model.load_state_dict(decode_target.model.state_dict())
-    return copies.compiled, copies.drafter
-
-
-def compiles(draft: torch.nn.Module) -> bool:
-    """Whether a draft's drafter runs on the compiled path (False: selfspec, eager only)."""
-    return getattr(drafter_class(draft.kind), "compiles", True)
+    return copies.compiled, copies.spec_target, copies.drafter
 
 
 def adapts_target(decode_target: Target, target: Target) -> bool:
@@ -140,11 +134,6 @@ def compile_choice(
     it), on CUDA it compiles to measure (an eager verdict drops the graphs)."""
     setting, tree, cache_dir = compile_setting(settings.compile), settings.tree, settings.cache_dir
     width = tree.size + 1 if tree is not None else settings.k + 1
-    if not compiles(draft_eval):
-        # a drafter that decodes eagerly only (decoding/drafters/selfspec.py): no verify to
-        # compare; compiled means the compiled AR beside the eager speculative decode
-        dtype = "compiled" if setting == "only" else "eager"
-        return DtypeChoice("compile", dtype, "eager drafter", {}, {"draft": draft_eval.kind})
     lengths = sorted(prompt_lengths)
     cached = min(lengths[len(lengths) // 2] + settings.max_new_tokens // 2, max_len - width)
     layers = tuple(drafter.hidden_layers)
@@ -173,7 +162,7 @@ def compile_choice(
         if path == "eager":
             return forward_seconds(decode_target, width, cached, layers)
         t0 = time.perf_counter()
-        compiled, _ = compiled_decoding(
+        compiled, _, _ = compiled_decoding(
             copies, draft_eval, decode_target, drafter, settings, max_len
         )
         built_s.append(time.perf_counter() - t0)
@@ -187,5 +176,5 @@ def compile_choice(
         tmp.write_text(json.dumps({"key": cost_key, "seconds": compile_s}))
         tmp.replace(cost_file)
     if setting == "auto" and choice.dtype == "eager":  # no graphs kept for a path not used
-        copies.compiled = copies.draft = copies.drafter = None
+        copies.compiled = copies.draft = copies.drafter = copies.spec_target = None
     return choice

@@ -167,14 +167,10 @@ def plan_checkpoint(
     choose_linear_layouts(target_eval, settings, eval_prompts, ranks, compiled)
     passes = []
     if compiled:
-        compiled_target, compiled_drafter = compiled_decoding(
+        compiled_target, spec_target, compiled_drafter = compiled_decoding(
             target_eval, draft_eval, decode_target, drafter, settings, max_len
         )  # fmt: skip
-        # a drafter that decodes eagerly only (selfspec) keeps its eager speculative decode,
-        # timed against the compiled AR
-        spec = Pass("spec", compiled_target, compiled_drafter)
-        if compiled_drafter is None:
-            spec = Pass("spec", decode_target, drafter)
+        spec = Pass("spec", spec_target, compiled_drafter)
         passes = [Pass("ar_eager", eager_ar), Pass("ar", compiled_target)]
     else:
         spec = Pass("spec", decode_target, drafter)
