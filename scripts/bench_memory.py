@@ -32,7 +32,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from models.target_loaders import target_config
-from train.run.memory_plan import plan_for_run, with_heldout_shapes
+from train.run.memory_plan import plan_for_run
+from train.run.replan import with_heldout_shapes, with_train_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -64,7 +65,7 @@ def command(launcher: list[str], overrides: list[str], run_dir: Path) -> list[st
 
 def replan(run_dir: Path, memory: dict) -> dict:
     """`memory` with the plan this code makes for the run's config.yaml (its target dtype,
-    ranks, process baseline and held-out batches as recorded): a run measured before a
+    ranks, process baseline, held-out batches and widest training batch as recorded): a run measured before a
     change of the plan is compared with the plan as it is now."""
     cfg = OmegaConf.load(run_dir / "config.yaml")
     recorded = memory["plan"]
@@ -72,6 +73,7 @@ def replan(run_dir: Path, memory: dict) -> dict:
     plan = plan_for_run(cfg, config, name, recorded["target_dtype"], recorded["ranks"],
                         recorded["sharded"], False, recorded["baseline_bytes"])  # fmt: skip
     plan = with_heldout_shapes(plan, recorded.get("heldout_shapes") or [])  # as the run did
+    plan = with_train_batch(plan, recorded.get("train_batch"))
     planned = plan.phase_bytes()
     phases = {k: {**v, "plan_bytes": planned.get(k)} for k, v in memory.get("phases", {}).items()}
     return {**memory, "plan_peak_bytes": plan.peak_bytes(), "phases": phases}

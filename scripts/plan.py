@@ -27,14 +27,8 @@ from omegaconf import OmegaConf
 
 from models.target_loaders import target_config
 from train.phase_memory import process_memory
-from train.run.memory_plan import (
-    GIB,
-    check_fits,
-    device_memory,
-    format_plan,
-    plan_for_run,
-    planned_dtype,
-)
+from train.run.memory_fit import check_fits, device_memory, format_plan
+from train.run.memory_plan import GIB, plan_for_run, planned_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 

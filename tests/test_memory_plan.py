@@ -17,8 +17,10 @@ import train.run.setup
 from models.target_loaders import build_tiny_random, target_config
 from tests.helpers import compose_debug
 from train.loop import run
-from train.run.memory_plan import check_fits, plan_for_run, planned_dtype, with_heldout_shapes
+from train.run.memory_fit import check_fits
+from train.run.memory_plan import plan_for_run, planned_dtype
 from train.run.meta_forward import activation_bytes, parameter_counts
+from train.run.replan import with_heldout_shapes, with_train_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = Path(__file__).parent / "llama31_8b"  # Llama-3.1-8B's published config.json only
@@ -181,15 +183,19 @@ def test_a_run_records_each_phase_beside_the_plan(tmp_path):
             "evaluation", "records"} <= set(phases)  # fmt: skip
     for name, phase in phases.items():
         assert phase["peak_rss_bytes"] > 0 and phase["plan_bytes"] > 0, name
+        assert 0 < phase["start_rss_bytes"] <= phase["peak_rss_bytes"], name
     assert summary["memory"]["peak_rss_bytes"] == max(p["peak_rss_bytes"] for p in phases.values())
+    plan = summary["memory"]["plan"]  # re-made with the widest batch the run trained
+    rows, length = plan["train_batch"]
+    assert rows == plan["batch_size"] and 0 < length <= plan["max_len"]
 
 
 def test_the_held_out_pass_is_re_planned_with_its_batches_as_they_are():
     """The bound (every batch train.batch_size rows of data.max_len) re-planned with batches of
     exactly that shape is the bound; shorter batches count their own positions and taps."""
-    cfg = compose_train("+experiment=eagle_tv", "data.num_eval=8", "data.pack=null",
-                        "train.batch_size=4", "data.max_len=512")  # fmt: skip
-    bound = plan_of(cfg, "float32")
+    cfg_args = ("+experiment=eagle_tv", "data.num_eval=8", "data.pack=null",
+                "train.batch_size=4", "data.max_len=512")  # fmt: skip
+    bound = plan_of(compose_train(*cfg_args), "float32")
     assert bound.heldout_bytes > 0 and bound.heldout_kept_bytes > 0
     as_bound = with_heldout_shapes(copy.copy(bound), [(4, 512), (4, 512)])  # 8 answers
     assert as_bound.heldout_bytes == pytest.approx(bound.heldout_bytes, rel=1e-6)
@@ -197,5 +203,43 @@ def test_the_held_out_pass_is_re_planned_with_its_batches_as_they_are():
     per_token = bound.feature_cache_bytes_per_token
     taps = (4 * 300 + 3 * 120) * per_token
     assert short.heldout_kept_bytes == taps and short.heldout_shapes == [(4, 300), (3, 120)]
-    assert short.heldout_bytes == taps + 4 * 300 * bound.heldout_position_bytes
+    stats = bound.heldout_stats_bytes  # worked 256 positions at a time: no batch's size
+    assert short.heldout_bytes == taps + 4 * 300 * bound.heldout_position_bytes + stats
+    nucleus = plan_of(compose_train(*cfg_args, "decode.top_p=0.9"), "float32")
+    assert stats == 256 * 49152 * 4 * 2  # SmolLM2's vocabulary, z and exp(z) in float32
+    assert nucleus.heldout_stats_bytes == stats * 7 // 2  # top-p: its sort and cumsum too
     assert with_heldout_shapes(copy.copy(bound), []).heldout_bytes == bound.heldout_bytes
+
+
+def test_training_is_re_planned_with_the_widest_batch_a_run_met():
+    """A run that met batches as wide as the bound plans the bound; one whose widest batch
+    held half the positions plans half the activations, nothing else moved. The summary of a
+    run records the batch it met (`train_batch`)."""
+    cfg = compose_train("+experiment=eagle_tv", "data.pack=null", "train.batch_size=4",
+                        "data.max_len=512")  # fmt: skip
+    bound = plan_of(cfg, "float32")
+    act = bound.activation_bytes
+    assert act and bound.train_batch is None
+    at_bound = with_train_batch(copy.copy(bound), (4, 512)).phase_bytes()
+    assert at_bound == bound.phase_bytes()
+    half = with_train_batch(copy.copy(bound), (2, 512))
+    assert half.train_batch == (2, 512)
+    phases, bound_phases = half.phase_bytes(), bound.phase_bytes()
+    assert phases["training"] == bound_phases["training"] - act // 2
+    assert {k: v for k, v in phases.items() if k != "training"} == {
+        k: v for k, v in bound_phases.items() if k != "training"
+    }
+    assert with_train_batch(copy.copy(bound), None).phase_bytes() == bound_phases
+
+
+def test_a_compiled_self_speculative_evaluation_plans_its_rounds_graphs():
+    """decode.compile on a CPU: every kind's graphs (the AR and the verify) hold the target's
+    weights twice each; the self-speculative rounds' graphs (layers < L; layers >= L and the
+    head; the head alone) hold them, and the head, once more."""
+    common = ("data.pack=null", "data.num_train=8", "decode.compile=only", "decode.dtype=float32")
+    eagle = plan_of(compose_train("+experiment=eagle_tv", *common), "float32")
+    self_spec = plan_of(compose_train("+experiment=selfspec_kl", *common), "float32")
+    assert eagle.compiled_bytes == 2 * 2 * eagle.target_params * 4  # widths 1 and k + 1
+    head = 49152 * 576  # SmolLM2-135M's vocabulary x hidden size
+    rounds = 2 * (self_spec.target_params + head) * 4
+    assert self_spec.compiled_bytes == eagle.compiled_bytes + rounds

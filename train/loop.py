@@ -54,7 +54,7 @@ from train.run.files import (
 from train.run.identity import Resumed, check_resume, run_identity, schedule_settings
 from train.run.init_from import check_init_from
 from train.run.machine import choose_autocast, share_threads
-from train.run.memory_plan import MemoryPlan, with_heldout_shapes
+from train.run.memory_plan import MemoryPlan
 from train.run.records import (
     RunEvaluations,
     RunRecords,
@@ -62,6 +62,7 @@ from train.run.records import (
     evaluate_at,
     write_summary,
 )
+from train.run.replan import with_heldout_shapes, with_train_batch
 from train.run.settings import (
     check_decode_context,
     check_settings,
@@ -243,7 +244,7 @@ def train_run(cfg: DictConfig) -> dict:
     bar = progress_bar(cfg, start_step, clock["train_s"], main)
 
     # -- the loop ---------------------------------------------------------------------
-    done = start_step
+    done, widest = start_step, (0, 0)  # the widest micro-batch trained: the plan re-made with it
     memory.begin("training")  # its evaluations are phases of their own
     out_of_time = budget is not None and clock["train_s"] >= budget  # spent before a resume
     if resume_from is not None:  # what a kill between the checkpoint and its evaluation lost
@@ -260,6 +261,7 @@ def train_run(cfg: DictConfig) -> dict:
         ]
         result = train_step(step, draft, core, target, micro, chunks, setup, accelerator,
                             params, features, replay)  # fmt: skip
+        widest = max([widest, *(tuple(m["input_ids"].shape) for m in micro)], key=math.prod)
         if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
             bar.close()
             raise diverged(step, result, records.last_checkpoint)
@@ -314,7 +316,7 @@ def train_run(cfg: DictConfig) -> dict:
             "data_stats": prepared.stats,
             "threads": threads,  # torch threads per process and why (train/run/machine.py)
             "dtypes": {use: choice.as_record() for use, choice in dtypes.items()},
-            "memory": measured_memory(plan, memory),  # the plan beside the peak
+            "memory": measured_memory(with_train_batch(plan, widest), memory),  # beside the peak
         }
         summary = write_summary(cfg, run_dir, summary, records)
         finish_tracking(accelerator, tracking, summary)

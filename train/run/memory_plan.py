@@ -19,8 +19,9 @@ saves for the backward (`torch.autograd.graph.saved_tensors_hooks`). What each l
                decode.compile each compiled graph's frozen, packed target weights
   held-out     (train.heldout_proxy) at each checkpoint, no gradients: the held-out and
                validation rows' cached taps, one batch's target logits, the draft's float32
-               logits, the loss's float32 working copies of one offset's rows and the
-               acceptance statistics' float32 full-vocabulary rows (three of each at once)
+               logits, the loss's float32 working copies of one offset's rows (three at once)
+               and the acceptance statistics' float32 full-vocabulary rows, 256 positions at
+               a time
   regeneration the target answering prompts (train/data/answer_batch.py): its copy in
                data.regen_dtype, the slots' K/V, a prefill's K/V and widest activations
   ranks        DDP: the reducer's buckets (a second copy of the gradients); FSDP: the
@@ -41,7 +42,6 @@ it). Measured against the plan: docs/memory.md.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from unittest import mock
 
@@ -88,7 +88,9 @@ class MemoryPlan:
     heldout_bytes: int = 0  # train.heldout_proxy: its checkpoint-time pass (0: off)
     heldout_kept_bytes: int = 0  # its rows' taps, kept after its first pass (the main rank's)
     heldout_position_bytes: int = 0  # a held-out batch's transients per position (rows x length)
+    heldout_stats_bytes: int = 0  # its acceptance statistics' full-vocabulary rows, chunked
     heldout_shapes: list[tuple[int, int]] | None = None  # its batches, once known (re-planned)
+    train_batch: tuple[int, int] | None = None  # the widest [rows, length] trained, once met
     no_grad_bytes: int | None = None  # a forward's draft logits and loss copies, no gradients
     regeneration_bytes: int = 0  # the data phase: the target answering the training prompts
     heldout_regeneration_bytes: int = 0  # the feature pass: answering the held-out prompts
@@ -110,6 +112,8 @@ class MemoryPlan:
         step: a checkpoint and an evaluation hold none); what an evaluation copies stays for
         the rest of the run once it has run before the last step."""
         act = self.activation_bytes_checkpointed if checkpointing else self.activation_bytes
+        bound = self.batch_size * self.max_len  # the positions `act` was counted at
+        met = act if act is None or self.train_batch is None else act * math.prod(self.train_batch) // bound  # fmt: skip
         loaded = self.baseline_bytes + self.target_bytes
         # between steps; a held-out pass before the last step leaves its taps cached
         kept = loaded + self.draft_bytes + self.optimizer_bytes + self.heldout_kept_bytes
@@ -121,7 +125,7 @@ class MemoryPlan:
             "data": loaded + self.regeneration_bytes,
             "feature pass": loaded + self.draft_bytes + self.heldout_regeneration_bytes,
             "training": kept + copies + self.gradient_bytes + self.bucket_bytes
-            + self.gathered_bytes + (act or 0),
+            + self.gathered_bytes + (met or 0),
             "checkpoint": kept + copies + self.checkpoint_bytes,
             "held-out proxy": kept - self.heldout_kept_bytes + copies + self.heldout_bytes,
             "evaluation: copies and dtypes": kept + self.skeleton_bytes + self.evaluation_bytes
@@ -214,6 +218,18 @@ def plan_memory(
 COMPILED_COPIES = 2
 
 
+# sampling_cutoffs works this many positions at a time over the full vocabulary, in float32:
+# its scaled logits and logsumexp's exponentials (2 rows); under top-k / top-p also a masked
+# copy, the sort's values and int64 indices, a softmax and its cumulative sum (7 rows)
+CUTOFF_ROWS = 256
+
+
+def cutoff_bytes(vocab_size: int, dec: DictConfig) -> int:
+    """The acceptance statistics' working rows at once (train/losses/acceptance.py)."""
+    truncated = bool(dec.get("top_k")) or float(dec.get("top_p", 1.0) or 1.0) < 1.0
+    return CUTOFF_ROWS * vocab_size * 4 * (7 if truncated else 2)
+
+
 def compiles_on_cpu(dec: DictConfig, cuda: bool) -> bool:
     """Whether an evaluation compiles with frozen weights: decode.compile only / true on a
     CPU (auto compiles only where a compile record says it pays: counted as compiled)."""
@@ -299,7 +315,10 @@ def plan_for_run(
         element = (
             4 if str(dec.get("dtype", "auto")) == "auto" else resolve_dtype(dec.dtype).itemsize
         )
-        plan.compiled_bytes = widths * COMPILED_COPIES * plan.target_params * element
+        weights = widths * plan.target_params
+        if str(cfg.draft.kind) == "selfspec":  # its rounds' graphs: layers < L, layers >= L
+            weights += plan.target_params + target_config.vocab_size * target_config.hidden_size
+        plan.compiled_bytes = COMPILED_COPIES * weights * element  # and the head again
         plan.evaluation_bytes += plan.compiled_bytes
     every, steps = tc.get("eval_every"), int(tc.steps)
     plan.evaluates_early = bool(tc.eval_at_ckpt) and int(tc.ckpt_every) < steps and (
@@ -310,31 +329,17 @@ def plan_for_run(
         val_rows = int(data.get("pack_val") or 0) if data.get("pack") else 0  # a pack's only
         rows = int(data.get("num_eval") or 0) + val_rows
         positions = plan.batch_size * plan.max_len  # a batch's bound: rows of data.max_len
-        # per position: the target's logits, the acceptance statistics' float32 rows of its
-        # full vocabulary (its probabilities at each sampling and their cut-offs: three at
-        # once) and the draft's forward without gradients
+        # per position: the target's logits and the draft's forward without gradients; the
+        # acceptance statistics' float32 rows of the full vocabulary are worked CUTOFF_ROWS
+        # positions at a time (train/losses/acceptance.py: sampling_cutoffs), whatever the batch
         logits = target_config.vocab_size * resolve_dtype(target_dtype).itemsize
-        stats = 3 * target_config.vocab_size * 4
-        plan.heldout_position_bytes = logits + stats + plan.no_grad_bytes // positions
+        plan.heldout_position_bytes = logits + plan.no_grad_bytes // positions
+        plan.heldout_stats_bytes = cutoff_bytes(target_config.vocab_size, dec)
         taps = rows * plan.max_len * plan.feature_cache_bytes_per_token
-        plan.heldout_bytes = taps + positions * plan.heldout_position_bytes
+        plan.heldout_bytes = (
+            taps + positions * plan.heldout_position_bytes + plan.heldout_stats_bytes
+        )
         plan.heldout_kept_bytes = taps if int(tc.ckpt_every) < steps else 0
-    return plan
-
-
-def with_heldout_shapes(plan: MemoryPlan, shapes: list[tuple[int, int]]) -> MemoryPlan:
-    """`plan` (in place) with the held-out proxy's batches as the data made them ([rows,
-    padded length] each, every proxy's) in place of the bound it was made with: every batch
-    train.batch_size rows of data.max_len. A run re-plans with them once its held-out rows
-    exist (summary.json `memory`); the plan it was admitted with is the bound's."""
-    if not plan.heldout_bytes or not shapes:
-        return plan
-    tokens = sum(rows * length for rows, length in shapes)
-    taps = tokens * plan.feature_cache_bytes_per_token
-    widest = max(rows * length for rows, length in shapes)
-    plan.heldout_shapes = [(int(rows), int(length)) for rows, length in shapes]
-    plan.heldout_bytes = taps + widest * plan.heldout_position_bytes
-    plan.heldout_kept_bytes = taps if plan.heldout_kept_bytes else 0
     return plan
 
 
@@ -345,103 +350,3 @@ def planned_dtype(setting: str, cuda: bool) -> str:
     if setting != "auto":
         return str(resolve_dtype(setting)).removeprefix("torch.")
     return "bfloat16" if cuda else "float32"
-
-
-def device_memory(device: torch.device, processes_here: int = 1) -> tuple[int, str] | None:
-    """(bytes one rank may use, what they are), or None when unknown: a CUDA device's total
-    memory, or on a CPU the host's RAM shared by the processes on it."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_properties(index).total_memory, f"cuda:{index} total memory"
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        try:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            return None
-        share = f" / {processes_here} processes" if processes_here > 1 else ""
-        return ram // max(1, processes_here), f"host RAM{share}"
-    return None
-
-
-def gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / GIB:.2f} GiB"
-
-
-def fitting_settings(plan: MemoryPlan, available: int) -> list[str]:
-    """The settings that would make `plan` fit in `available` bytes per rank."""
-    fixes = []
-    if not plan.sharded:
-        # the launch's own ranks when it has several, else the fewest GPUs that would do
-        for n in [plan.ranks] if plan.ranks > 1 else (2, 4, 8, 16, 32, 64):
-            unsharded = {"gradient_bytes": plan.gradient_bytes}  # as one process holds them
-            sharded = MemoryPlan(**{**asdict(plan), **unsharded, "ranks": n, "sharded": True})
-            spread_over_ranks(sharded)
-            if sharded.peak_bytes() <= available:
-                per_rank = gib(sharded.peak_bytes())
-                fixes.append(f"FSDP over {n} ranks ({FSDP_LAUNCH} {n}): {per_rank} per rank")
-                break
-    if plan.activation_bytes:
-        phases = plan.phase_bytes()
-        fixed = phases["training"] - plan.activation_bytes  # a step's activations: per row
-        per_row = plan.activation_bytes / plan.batch_size
-        rows = int((available - fixed) // per_row) if available > fixed else 0
-        others = max(v for k, v in phases.items() if k not in ("training", "held-out proxy"))
-        if 1 <= rows < plan.batch_size and others <= available:
-            fixes.append(f"train.batch_size={rows} (train.grad_accum keeps the global batch)")
-        if plan.peak_bytes(checkpointing=True) <= available:
-            fixes.append(
-                f"gradient checkpointing of the draft's blocks: {gib(plan.peak_bytes(True))} "
-                "per rank (not a setting of this project yet)"
-            )
-    return fixes
-
-
-def check_fits(plan: MemoryPlan, available: int, what: str) -> None:
-    """Refuse (ValueError) a launch whose plan exceeds `available` bytes per rank, with its
-    numbers and the settings that would make it fit."""
-    if plan.peak_bytes() <= available:
-        return
-    fixes = fitting_settings(plan, available)
-    advice = ("Settings that fit: " + "; ".join(fixes)) if fixes else (
-        "No setting tried fits (FSDP, a smaller batch, checkpointing): the target alone "
-        f"needs {gib(plan.target_bytes)}; use a device with more memory or a smaller dtype."
-    )  # fmt: skip
-    raise ValueError(
-        f"memory plan: this launch needs {gib(plan.peak_bytes())} per rank but {what} is "
-        f"{gib(available)}.\n{format_plan(plan)}\n{advice}\n"
-        "(python scripts/plan.py <the same overrides> prints this plan.)"
-    )
-
-
-def format_plan(plan: MemoryPlan) -> str:
-    """The plan as lines of text, one per item."""
-    shard = f", draft state sharded over {plan.ranks} ranks (FSDP)" if plan.sharded else ""
-    count = f"{plan.draft_trainable or 0:,} trainable + {plan.draft_frozen or 0:,} frozen"
-    count = "?" if plan.draft_trainable is None else count
-    baseline = (
-        "  process baseline  {:>12}  (this process before the target: interpreter, libraries)"
-    )
-    lines = [
-        f"per rank, {plan.ranks} rank(s){shard}; batch {plan.batch_size} x {plan.max_len} tokens",
-        f"  target weights    {gib(plan.target_bytes):>12}  ({plan.target_params:,} params, {plan.target_dtype}, {plan.target_name})",  # fmt: skip
-        f"  draft parameters  {gib(plan.draft_bytes):>12}  ({plan.draft_kind}: {count})",
-        f"  gradients         {gib(plan.gradient_bytes):>12}",
-        f"  optimizer state   {gib(plan.optimizer_bytes):>12}  (AdamW: 2 float32 states per trainable param)",  # fmt: skip
-        f"  activations       {gib(plan.activation_bytes):>12}  (tensors a meta forward saves, attention as a fused kernel)",  # fmt: skip
-        f"  activations ckpt  {gib(plan.activation_bytes_checkpointed):>12}  (with gradient checkpointing of the draft's blocks)",  # fmt: skip
-        f"  evaluation copies {gib(plan.evaluation_bytes):>12}  (decode.dtype copies of target and draft; 0: no decoding)",  # fmt: skip
-        f"    of which compiled {gib(plan.compiled_bytes):>10}  (decode.compile on a CPU: each graph's packed weights)",  # fmt: skip
-        f"  held-out proxy    {gib(plan.heldout_bytes):>12}  (train.heldout_proxy: cached taps, a batch's logits, a forward; the taps, {gib(plan.heldout_kept_bytes)}, kept after a pass before the last step)",  # fmt: skip
-        f"  regeneration      {gib(plan.regeneration_bytes):>12}  (answering the training prompts: K/V slots, a prefill, a copy in data.regen_dtype)",  # fmt: skip
-        f"  held-out answers  {gib(plan.heldout_regeneration_bytes):>12}  (train.heldout_proxy: the held-out prompts answered once)",  # fmt: skip
-        f"  DDP buckets       {gib(plan.bucket_bytes):>12}  (a second copy of the gradients)",
-        f"  FSDP unsharded    {gib(plan.gathered_bytes):>12}  (a forward / backward's gathered unit; the checkpoint gathers {gib(plan.checkpoint_bytes)})",  # fmt: skip
-        f"  peak              {gib(plan.peak_bytes()):>12}  (with checkpointing: {gib(plan.peak_bytes(True))})",  # fmt: skip
-        "  per phase         "
-        + ", ".join(f"{k} {v / GIB:.2f}" for k, v in plan.phase_bytes().items())
-        + " GiB",  # fmt: skip
-        f"  feature cache     {plan.feature_cache_bytes_per_token:,} bytes/token on disk; {gib(plan.feature_cache_bytes)} for the rows x max_len",  # fmt: skip
-    ]
-    if plan.baseline_bytes:
-        lines.insert(1, baseline.format(gib(plan.baseline_bytes)))
-    return "\n".join(lines + [f"  note: {n}" for n in plan.notes])

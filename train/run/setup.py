@@ -37,12 +37,8 @@ from train.report.tracking import TrackingSettings, tracker
 from train.run.identity import read_identity
 from train.run.init_from import init_draft_from
 from train.run.machine import PROBE_TOKENS, target_dtype
-from train.run.memory_plan import (
-    MemoryPlan,
-    check_fits,
-    device_memory,
-    plan_for_run,
-)
+from train.run.memory_fit import check_fits, device_memory
+from train.run.memory_plan import MemoryPlan, plan_for_run
 from train.run.settings import gpu_index
 
 
