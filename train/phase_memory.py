@@ -93,7 +93,8 @@ class PhaseMemory:
         self.starts: dict[str, int | None] = {}  # RSS when the phase's largest peak began
         self.cuda_peak: dict[str, int] = {}
         self.stack = [outside]
-        self.opened: list[int | None] = [None]  # RSS at each open phase's (re)start
+        # RSS at each open phase's (re)start; None: the start-up's, from the process's start
+        self.opened: list[int | None] = [None]
         self.resets = True  # until the kernel refuses one
         PhaseMemory.current = self
 
