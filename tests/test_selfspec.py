@@ -341,3 +341,21 @@ def test_cpp_gemm_compiled_rounds_equal_the_eager_ones(close):
         eager = generate(view, prompt_ids(close, text), make_drafter(draft, view), **kw)
         got = generate(compiled_view, prompt_ids(close, text), drafter, **kw)
         assert (got.sequences, got.accept_counts) == (eager.sequences, eager.accept_counts)
+
+
+def test_a_run_evaluates_the_self_speculative_draft_compiled(tmp_path):
+    """decode.compile=true: the run's evaluation decodes the speculative passes on the
+    compiled path (the drafter's view of the compiled target), losslessly, beside the eager
+    speculative decode."""
+    from train.loop import run
+
+    torch.set_num_threads(1)
+    summary = run(compose_debug(
+        tmp_path, "draft=selfspec", "~draft.model.num_layers", "~draft.model.init",
+        "draft.model.exit_layer=1", "draft.model.rank=8", "decode.compile=true",
+        "decode.compile_mode=aot_eager", "decode.dtype=float32", "decode.draft_dtype=float32",
+    ))  # fmt: skip
+    final = summary["final_eval"]
+    assert final["greedy/path"] == "compiled" and final["compiled_graphs"] > 0
+    assert final["greedy/greedy_exact_match"] == 1.0  # the compiled AR's greedy output
+    assert final["greedy/tau_eager_spec"] == final["greedy/tau"]  # the eager decode's rounds
