@@ -123,6 +123,23 @@ class Drafted:
     tokens: Tensor
     hidden: Tensor
 
+    def continued_by(
+        self,
+        input_ids: Tensor,  # [B, T]
+        cache: object,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        hidden_layers: tuple[int, ...],
+    ) -> bool:
+        """Whether a verify call reuses this round: on its cache, starting with its tokens,
+        with positions and a 2D mask given and no hidden layers asked for."""
+        m = self.tokens.shape[1]
+        return (
+            cache is self.cache and not hidden_layers and position_ids is not None
+            and (attention_mask is None or attention_mask.dim() == 2)
+            and m <= input_ids.shape[1] and torch.equal(input_ids[:, :m], self.tokens)
+        )  # fmt: skip
+
 
 class SharedCacheTarget:
     """A `Target` whose forward reuses a drafting round's work (models/selfspec.py): called
@@ -156,13 +173,8 @@ class SharedCacheTarget:
         use_cache: bool = True,
     ) -> TargetOutput:
         drafted, self.drafted = self.drafted, None
-        plain = (
-            drafted is None or cache is not drafted.cache or bool(hidden_layers)
-            or position_ids is None or (attention_mask is not None and attention_mask.dim() != 2)
-            or drafted.tokens.shape[1] > input_ids.shape[1]
-            or not torch.equal(input_ids[:, : drafted.tokens.shape[1]], drafted.tokens)
-        )  # fmt: skip
-        if plain:
+        args = (input_ids, cache, attention_mask, position_ids, hidden_layers)
+        if drafted is None or not drafted.continued_by(*args):
             if drafted is not None:  # back to one entry per committed token in every layer
                 for layer in drafted.cache.layers[: self.exit_layer]:
                     layer.crop(-drafted.tokens.shape[1])

@@ -201,13 +201,8 @@ class CompiledSharedCache:
         use_cache: bool = True,
     ) -> TargetOutput:
         drafted, self.drafted = self.drafted, None
-        plain = (
-            drafted is None or cache is not self.cache or bool(hidden_layers) or not logits
-            or position_ids is None or (attention_mask is not None and attention_mask.dim() != 2)
-            or drafted.tokens.shape[1] > input_ids.shape[1]
-            or not torch.equal(input_ids[:, : drafted.tokens.shape[1]], drafted.tokens)
-        )  # fmt: skip
-        if plain:
+        args = (input_ids, cache, attention_mask, position_ids, hidden_layers)
+        if drafted is None or not logits or not drafted.continued_by(*args):
             return self.compiled(input_ids, cache, attention_mask, position_ids, hidden_layers,
                                  logits, use_cache)  # fmt: skip
         T, m, past = input_ids.shape[1], drafted.tokens.shape[1], self.cache.length
