@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import torch
 from torch import Tensor
@@ -116,9 +116,12 @@ def _backend(mode: str, freeze: bool) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         _memoize_kernel_templates()
+        _list_single_templates_unrendered()
         unfrozen_cpp = mode == "cpp-gemm" and not freeze  # no packed weights: no template
         base, extra = ("default", {}) if unfrozen_cpp else MODE_OPTIONS.get(mode, (mode, {}))
         options = {**list_mode_options(base), "freezing": freeze, **extra}
+        if _picked_vec_isa_builds():  # the other ISAs inductor would probe go unbuilt
+            options["cpp.vec_isa_ok"] = True
 
         def inner(gm, example_inputs):
             return compile_fx(gm, example_inputs, config_patches=options)
@@ -140,6 +143,66 @@ def _memoize_kernel_templates() -> None:
 
     compile_source = KernelTemplate._template_from_string
     KernelTemplate._template_from_string = staticmethod(cache(compile_source))
+
+
+@cache
+def _picked_vec_isa_builds() -> bool:
+    """Whether the vector ISA inductor will generate C++ for (the widest the CPU's flags list,
+    or ATEN_CPU_CAPABILITY's) compiles and loads here. Inductor checks it by building and
+    loading a probe for every ISA the flags list (AMX, AVX-512 VNNI, AVX-512, AVX2: four
+    builds and four child processes, ~11 s of the first compile of a process on an Intel Xeon
+    with AMX, measured) before it uses the first; only the first is used. True: its probe
+    passed, and the others need not be built (`cpp.vec_isa_ok`); False where the user set
+    TORCHINDUCTOR_VEC_ISA_OK or the probe failed: inductor then checks every ISA itself."""
+    from torch._inductor import config, cpu_vec_isa
+
+    if config.cpp.vec_isa_ok is not None:
+        return False
+    listed = cpu_vec_isa.valid_vec_isa_list  # cached: filled below with every flagged ISA
+    with config.patch({"cpp.vec_isa_ok": True}):
+        listed.cache_clear()
+        picked = cpu_vec_isa.pick_vec_isa()
+    listed.cache_clear()
+    return bool(picked) and picked.check_build(cpu_vec_isa.VecISA._avx_code)
+
+
+@cache
+def _list_single_templates_unrendered() -> None:
+    """Inductor renders a C++ GEMM template twice per matmul: when it lists the matmul's
+    candidates (the source a benchmark would compile, thrown away otherwise) and when it
+    writes the kernel the graph runs. Where the C++ template is the only GEMM backend
+    (cpp-gemm, MODE_OPTIONS) it is each matmul's only candidate, taken without a benchmark,
+    so the first render is waste: ~6 s of a ~55 s compile of the 30-layer target per width
+    (Intel Xeon with AMX, measured). There the candidate is listed unrendered; every other
+    setting keeps inductor's `generate`."""
+    import torch._inductor.compile_fx  # noqa: F401  (inductor's modules in its own import order)
+    from torch._inductor import config
+    from torch._inductor.codegen.cpp_gemm_template import CppGemmTemplate
+    from torch._inductor.codegen.cpp_template import CppTemplate
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller, CppTemplateKernel
+    from torch._inductor.utils import Placeholder
+
+    listed_rendered = CppTemplate.generate
+
+    def generate(self, **kwargs):
+        if config.max_autotune_gemm_backends != "CPP" or not isinstance(self, CppGemmTemplate):
+            return listed_rendered(self, **kwargs)
+
+        def make_kernel_render(template_node, flag_template_buffer_has_other_users,
+                               epilogue_nodes=None):  # fmt: skip
+            kernel = CppTemplateKernel(str(Placeholder.KERNEL_NAME), self.num_threads)
+            render = partial(
+                kernel.render, self, template_buffer_node=template_node, epilogue_nodes=epilogue_nodes,
+                flag_template_buffer_has_other_users=flag_template_buffer_has_other_users, **kwargs,
+            )  # fmt: skip
+            return kernel, render
+
+        output = self.output_node[0] if isinstance(self.output_node, list) else self.output_node
+        # bmreq None: a benchmark (never run for a single candidate) would fail loudly
+        return CppTemplateCaller(f"cpp_{self.name}_{self.index}", self.name, self.input_nodes,
+                                 output.get_layout(), make_kernel_render, None, self)  # fmt: skip
+
+    CppTemplate.generate = generate
 
 
 class Compiled:

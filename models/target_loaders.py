@@ -34,7 +34,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from models.dtype_choice import choose_target_dtype
+from models.dtype_choice import cache_root, choose_target_dtype
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from models.tiny_tokenizer import build_char_tokenizer
@@ -43,7 +43,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "smollm2-135m-instruct"
 # The hub model the shipped GGUF quantises; what an engine serving this target loads.
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_CACHE_DIR = Path(os.environ.get("DRAFTLAB_CACHE", Path.home() / ".cache" / "draftlab"))
+DEFAULT_CACHE_DIR = cache_root(None)  # $DRAFTLAB_CACHE (set, not empty), else ~/.cache/draftlab
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 

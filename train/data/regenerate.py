@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decoding.drafter import Sampling
-from models.dtype_choice import DtypeChoice, choose_dtype, time_forward
+from models.dtype_choice import DtypeChoice, cache_root, choose_dtype, time_forward
 from models.dtypes import cast_keep_rotary, resolve_dtype
 from models.target import Target
 from train.data.answer_batch import answer_prompts
@@ -47,8 +47,9 @@ from train.parallel.ranks import Ranks
 
 
 def default_cache_root() -> Path:
-    # Read at call time so tests (and users) can point DRAFTLAB_CACHE elsewhere.
-    return Path(os.environ.get("DRAFTLAB_CACHE", Path.home() / ".cache" / "draftlab"))
+    # Read at call time so tests (and users) can point DRAFTLAB_CACHE elsewhere; an empty
+    # DRAFTLAB_CACHE is unset (not the working directory)
+    return cache_root(None)
 
 
 def _sha(obj: object) -> str:
