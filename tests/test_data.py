@@ -199,6 +199,15 @@ def test_collate_right_pads():
     assert batch["loss_mask"].tolist() == [[0, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
 
 
+def test_collate_pads_to_a_multiple():
+    rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [1], "loss_mask": [1]}]
+    batch = collate(rows, pad_token_id=0, multiple=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [1, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    assert collate(rows * 2, 0, multiple=3)["input_ids"].shape == (4, 3)  # already a multiple
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "data").glob("*.yaml")))
 def test_data_configs_are_prepare_data_arguments(name):
     from hydra import compose, initialize_config_dir

@@ -106,24 +106,28 @@ def test_cached_loss_and_grads_equal_the_online_target(tmp_path, arch, dtype, dr
             assert torch.equal(grads_c[name], grads_on[name]), name
 
 
-def test_training_run_with_cache_equals_run_without(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("pad", [1, 8])  # train.pad_multiple: the loop's and the pass's widths
+def test_training_run_with_cache_equals_run_without(tmp_path, monkeypatch, capsys, pad):
     from train.loop import run
 
     monkeypatch.setattr(fc, "default_cache_root", lambda: tmp_path / "cache")
-    writes, batch_calls = [], []  # cache passes; target forwards over a training micro-batch
+    writes, batch_calls, widths = [], [], []  # cache passes; target forwards over a micro-batch
     real_write, real_call = fc._write, Target.__call__
     monkeypatch.setattr(fc, "_write", lambda *a, **k: writes.append(1) or real_write(*a, **k))
 
     def spy(self, input_ids, *args, **kwargs):
         if kwargs.get("logits", True) and "attention_mask" in kwargs:  # not preflight / tap scale
             batch_calls.append(input_ids.shape[0])
+            widths.append(input_ids.shape[1])
         return real_call(self, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(Target, "__call__", spy)
     common = ["draft=eagle", "draft.model.ttt_steps=2", "train.batch_size=2", "train.grad_accum=2",
-              "train.steps=3", "train.ckpt_every=3", "train.eval_at_ckpt=false"]  # fmt: skip
+              "train.steps=3", "train.ckpt_every=3", "train.eval_at_ckpt=false",
+              f"train.pad_multiple={pad}"]  # fmt: skip
     run(_cfg(*common, f"run_dir={tmp_path / 'online'}"))
     assert writes == [] and batch_calls == [2] * 3 * 2
+    assert widths and all(w % pad == 0 for w in widths)
     capsys.readouterr()
     run(_cfg(*common, f"run_dir={tmp_path / 'cached'}", "train.feature_cache=true"))
     assert writes == [1] and batch_calls == [2] * 3 * 2  # + the pass (logits=False)
@@ -158,6 +162,8 @@ def test_key_changes_with_target_data_and_taps():
     base = key()
     assert key(r=[dict(x) for x in rows]) == base  # equal content, equal key
     assert key(layers=(1, 2, -1)) != base
+    assert fc.cache_key(fc.cache_settings(target, rows, (1, 3, -1), pad_multiple=1)) == base
+    assert fc.cache_key(fc.cache_settings(target, rows, (1, 3, -1), pad_multiple=64)) != base
     assert key(layers=(1, 3)) != base
     changed = [dict(x) for x in rows]
     changed[5] = {**rows[5], "input_ids": rows[5]["input_ids"][:-1] + [0]}

@@ -173,7 +173,7 @@ def train_run(cfg: DictConfig) -> dict:
         ood = ood_prompts(decode.ood_prompts, target.tokenizer, decode.chat_template)
         check_decode_context(target, cfg.decode, ood)  # decode.ood_prompts, decoded beside
     train_rows = prepared.train.select_columns(["input_ids", "loss_mask"])
-    pad_id = target.tokenizer.pad_token_id
+    pad_id, pad_multiple = target.tokenizer.pad_token_id, int(tc.get("pad_multiple") or 1)
     dtypes = {"train_target": target_choice}
     draft = build_draft(cfg, target, prepared, warm_start=resume_from is None)
     offsets = preflight(draft, target, torch.tensor(train_rows[0]["input_ids"]))
@@ -257,7 +257,8 @@ def train_run(cfg: DictConfig) -> dict:
         rows = global_rows(records.rows_consumed, rows_per_step, len(train_rows), cfg.seed)
         chunks = rank_chunks(rows, tc.batch_size, tc.grad_accum, rank, world)
         micro = [
-            to_device(collate([train_rows[i] for i in c], pad_id), accelerator) for c in chunks
+            to_device(collate([train_rows[i] for i in c], pad_id, pad_multiple), accelerator)
+            for c in chunks
         ]
         result = train_step(step, draft, core, target, micro, chunks, setup, accelerator,
                             params, features, replay)  # fmt: skip

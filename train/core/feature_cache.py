@@ -73,7 +73,9 @@ def _name(layer: int) -> str:
     return "last" if layer == -1 else f"layer{layer}"
 
 
-def cache_settings(target: Target, train_rows, hidden_layers: tuple[int, ...]) -> dict:
+def cache_settings(
+    target: Target, train_rows, hidden_layers: tuple[int, ...], pad_multiple: int = 1
+) -> dict:
     """Everything the cached features depend on; its hash names the cache directory."""
     rows = hashlib.sha256()
     for i in range(len(train_rows)):
@@ -88,6 +90,9 @@ def cache_settings(target: Target, train_rows, hidden_layers: tuple[int, ...]) -
         "hidden_layers": list(hidden_layers),
         "num_rows": len(train_rows),
         "rows": rows.hexdigest(),
+        # the batches' widths (train.pad_multiple): other widths, other bits; an unpadded
+        # cache keeps the key it had
+        **({"pad_multiple": pad_multiple} if pad_multiple > 1 else {}),
     }
 
 
@@ -105,13 +110,14 @@ def build_feature_cache(
     shard_bytes: int = 256 << 20,
     progress: bool = True,
     ranks: Ranks | None = None,  # several processes: each runs its share of the batches
+    pad_multiple: int = 1,  # the loop's train.pad_multiple: its batch widths, so its bits
 ) -> FeatureCache:
     """The target's features over every training row: read from the cache when a complete
     one exists for these settings, else computed in one pass (batches of `batch_size` rows
     in `order`, shared by the ranks), written atomically, then read."""
     ranks = ranks or Ranks()
     hidden_layers = tuple(hidden_layers)
-    settings = cache_settings(target, train_rows, hidden_layers)
+    settings = cache_settings(target, train_rows, hidden_layers, pad_multiple)
     root = (Path(cache_dir).expanduser() if cache_dir else default_cache_root()) / "features"
     path = root / cache_key(settings)
     order = list(range(len(train_rows))) if order is None else [int(i) for i in order]
@@ -230,7 +236,7 @@ def _write(tmp, target, train_rows, hidden_layers, settings, batches, shard_byte
     bar = tqdm(total=sum(map(len, batches)), desc="feature cache", unit="row", disable=not progress)
     for chunk in batches:
         # The loop's own collate: same padding, same widths, so the same bits.
-        batch = collate([train_rows[i] for i in chunk], pad_id)
+        batch = collate([train_rows[i] for i in chunk], pad_id, settings.get("pad_multiple", 1))
         out = target(
             batch["input_ids"].to(target.device),
             attention_mask=batch["attention_mask"].to(target.device),

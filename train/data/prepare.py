@@ -53,9 +53,14 @@ class PreparedData:
 # ---------------------------------------------------------------------------------
 
 
-def collate(rows: list[dict], pad_token_id: int) -> dict[str, Tensor]:
-    """Right-padded batch: input_ids, attention_mask, loss_mask, each [B, T]."""
+def collate(rows: list[dict], pad_token_id: int, multiple: int = 1) -> dict[str, Tensor]:
+    """Right-padded batch: input_ids, attention_mask, loss_mask, each [B, T], T the longest
+    row rounded up to a multiple of `multiple` (train.pad_multiple). On a CPU every new T
+    leaves oneDNN state behind for good (a primitive and its JIT kernels per matmul shape):
+    batches padded to their own longest row meet a new T nearly every step, and the process
+    grew ~4.6 MiB a step for it (docs/memory.md); a few widths stop that growth."""
     width = max(len(r["input_ids"]) for r in rows)
+    width = -(-width // multiple) * multiple
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # [B, T]
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T]
     loss_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T]

@@ -57,8 +57,8 @@ def check_dtype(where: str, value) -> None:
 
 
 def check_train(tc: DictConfig) -> None:
-    for key in ("steps", "batch_size", "grad_accum", "log_every", "ckpt_every"):
-        if not tc[key] >= 1:
+    for key in ("steps", "batch_size", "grad_accum", "log_every", "ckpt_every", "pad_multiple"):
+        if not tc.get(key, 1) >= 1:
             raise ValueError(f"train.{key} must be >= 1, got {tc[key]}")
     if not tc.keep_last >= 0:
         raise ValueError(

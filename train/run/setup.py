@@ -161,6 +161,7 @@ def feature_cache(
         target, rows, draft.hidden_layers, cfg.data.get("cache_dir"),
         batch_size=cfg.train.batch_size, order=first_epoch,
         progress=accelerator.is_main_process, ranks=Ranks.current(),
+        pad_multiple=int(cfg.train.get("pad_multiple") or 1),
     )  # fmt: skip
     if accelerator.is_main_process:  # a stage line: computed once, then read in seconds
         print(f"[draftlab] features: the target's taps {tuple(draft.hidden_layers)} over "
