@@ -4,6 +4,8 @@ of a cold compile"): one render of the C++ GEMM template per matmul, one vector-
 from __future__ import annotations
 
 import pytest
+import torch
+import torch._inductor.compile_fx  # noqa: F401  (inductor's modules in its own import order)
 
 from decoding.inductor import Compiled
 
@@ -12,7 +14,6 @@ def test_cpp_gemm_renders_each_matmul_once(monkeypatch):
     """cpp-gemm lists each matmul's single C++ template candidate without rendering it
     (decoding.inductor._list_single_templates_unrendered): one render per matmul, the kernel
     the graph runs, where inductor renders two; the compiled output is still the eager one."""
-    import torch._inductor.compile_fx  # noqa: F401  (inductor's modules in its own import order)
     from torch._inductor.codegen.cpp_template_kernel import CppTemplateKernel
 
     renders = []
