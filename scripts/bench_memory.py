@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from models.target_loaders import target_config
 from train.run.memory_plan import plan_for_run
-from train.run.replan import with_heldout_shapes, with_train_batch
+from train.run.replan import with_decode_dtypes, with_heldout_shapes, with_train_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -63,17 +63,25 @@ def command(launcher: list[str], overrides: list[str], run_dir: Path) -> list[st
     return [*launcher, *SHORT, *overrides, f"run_dir={run_dir}"]
 
 
-def replan(run_dir: Path, memory: dict) -> dict:
-    """`memory` with the plan this code makes for the run's config.yaml (its target dtype,
-    ranks, process baseline, held-out batches and widest training batch as recorded): a run measured before a
-    change of the plan is compared with the plan as it is now."""
+def replan(run_dir: Path, summary: dict) -> dict:
+    """The run's `memory` with the plan this code makes for its config.yaml (its target dtype,
+    ranks, process baseline, held-out batches, widest training batch and the evaluation's
+    dtypes and path as recorded): a run measured before a change of the plan is compared
+    with the plan as it is now."""
     cfg = OmegaConf.load(run_dir / "config.yaml")
+    memory = summary["memory"]
     recorded = memory["plan"]
     config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
     plan = plan_for_run(cfg, config, name, recorded["target_dtype"], recorded["ranks"],
                         recorded["sharded"], False, recorded["baseline_bytes"])  # fmt: skip
     plan = with_heldout_shapes(plan, recorded.get("heldout_shapes") or [])  # as the run did
     plan = with_train_batch(plan, recorded.get("train_batch"))
+    dtypes, evaluated = summary.get("dtypes") or {}, summary.get("final_eval") or {}
+    if all(use in dtypes for use in ("decode", "ar")) and "decode_path" in evaluated:
+        decode, ar = dtypes["decode"]["dtype"], dtypes["ar"]["dtype"]
+        draft = (dtypes.get("draft") or dtypes["decode"])["dtype"]
+        compiled = evaluated["decode_path"] == "compiled"
+        plan = with_decode_dtypes(plan, decode, ar, draft, compiled)
     planned = plan.phase_bytes()
     phases = {k: {**v, "plan_bytes": planned.get(k)} for k, v in memory.get("phases", {}).items()}
     return {**memory, "plan_peak_bytes": plan.peak_bytes(), "phases": phases}
@@ -121,7 +129,7 @@ def main() -> None:
         summary = json.loads(path.read_text())
         memory = summary["memory"]
         if not args.as_recorded:
-            memory = replan(path.parent, memory)  # the plan as this code makes it
+            memory = replan(path.parent, summary)  # the plan as this code makes it
         results[f"{summary['name']} ({path.parent})"] = {"command": "as run", **compare(memory)}  # fmt: skip
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_memory_"))
     for i, (name, (launcher, extra)) in enumerate(LAUNCHES.items()):

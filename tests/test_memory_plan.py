@@ -20,7 +20,7 @@ from train.loop import run
 from train.run.memory_fit import check_fits
 from train.run.memory_plan import plan_for_run, planned_dtype
 from train.run.meta_forward import activation_bytes, parameter_counts
-from train.run.replan import with_heldout_shapes, with_train_batch
+from train.run.replan import with_decode_dtypes, with_heldout_shapes, with_train_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = Path(__file__).parent / "llama31_8b"  # Llama-3.1-8B's published config.json only
@@ -177,7 +177,10 @@ def test_each_phase_holds_what_runs_in_it():
 def test_a_run_records_each_phase_beside_the_plan(tmp_path):
     """summary.json memory.phases: every phase the run went through, measured, with the
     plan's figure for it (train/phase_memory.py, MemoryPlan.phase_bytes)."""
-    summary = run(compose_train("+experiment=debug", f"run_dir={tmp_path}", "train.heldout_proxy=true"))  # fmt: skip
+    # decode.compile=auto without a compile record (a cache of its own): admitted with the
+    # compiled graphs counted, decoded eagerly
+    summary = run(compose_train("+experiment=debug", f"run_dir={tmp_path}", "train.heldout_proxy=true",
+                                "decode.compile=auto", f"data.cache_dir={tmp_path / 'cache'}"))  # fmt: skip
     phases = summary["memory"]["phases"]
     assert {"start-up", "data", "feature pass", "training", "checkpoint", "held-out proxy",
             "evaluation", "records"} <= set(phases)  # fmt: skip
@@ -189,6 +192,15 @@ def test_a_run_records_each_phase_beside_the_plan(tmp_path):
     plan = summary["memory"]["plan"]  # re-made with the widest batch the run trained
     rows, length = plan["train_batch"]
     assert rows == plan["batch_size"] and 0 < length <= plan["max_len"]
+    # and with the copies its evaluation made, in the dtypes it chose, no graph compiled
+    assert summary["final_eval"]["decode_path"] == "eager"
+    assert plan["compiled_weights"] > 0 and plan["compiled_bytes"] == 0
+    dtypes = {use: summary["dtypes"][use]["dtype"] for use in ("decode", "ar", "draft")}
+    size = {"float32": 4, "bfloat16": 2}
+    others = {dtypes["decode"], dtypes["ar"]} - {plan["target_dtype"]}
+    draft = (plan["draft_trainable"] + plan["draft_frozen"]) * size[dtypes["draft"]]
+    copies = sum(plan["target_params"] * size[d] for d in others)
+    assert plan["evaluation_bytes"] == copies + draft + plan["compiled_bytes"]
 
 
 def test_the_held_out_pass_is_re_planned_with_its_batches_as_they_are():
@@ -244,3 +256,34 @@ def test_a_compiled_self_speculative_evaluation_plans_its_rounds_graphs():
     head = 49152 * 576  # SmolLM2-135M's vocabulary x hidden size
     rounds = 2 * (self_spec.target_params + head) * 4
     assert self_spec.compiled_bytes == eagle.compiled_bytes + rounds
+
+
+@pytest.mark.parametrize("trained", ["bfloat16", "float32"])
+def test_the_evaluation_is_re_planned_with_the_dtypes_it_measured(trained):
+    """decode.dtype=auto on a CPU: the admission counts the larger of what the verdicts may
+    give (every combination of the decoding and the eager AR's dtype, compiled or not, within
+    it, and one of them at it); the re-plan counts what they gave: a target copy per dtype
+    other than the training one, the draft in its dtype, the compiled graphs' two copies of
+    the weights in the decoding dtype, none where the evaluation decoded eagerly."""
+    cfg = compose_train("+experiment=eagle_tv", "data.pack=null", "data.num_train=8")
+    bound = plan_of(cfg, trained)
+    params, draft = bound.target_params, bound.draft_trainable + bound.draft_frozen
+    weights = 2 * params  # the AR's graph and the verify's
+    assert bound.compiled_weights == weights
+    size = {"bfloat16": 2, "float32": 4}
+    evaluations = {}
+    for decode in size:
+        for ar in size:
+            for compiled in (True, False):
+                got = with_decode_dtypes(copy.copy(bound), decode, ar, "float32", compiled)
+                copies = sum(params * size[d] for d in {decode, ar} - {trained})
+                graphs = 2 * weights * size[decode] if compiled else 0
+                assert got.compiled_bytes == graphs
+                assert got.evaluation_bytes == copies + 4 * draft + graphs
+                evaluations[decode, ar, compiled] = got.evaluation_bytes
+    assert max(evaluations.values()) == bound.evaluation_bytes
+    # the first run at c2e9f94: a bf16 target decoding in bf16 compiled, its eager AR float32
+    if trained == "bfloat16":
+        assert evaluations["bfloat16", "float32", True] == 4 * params + 4 * draft + 4 * weights
+    eager = plan_of(compose_train("+experiment=eagle_tv", "train.eval_at_ckpt=false"), trained)
+    assert with_decode_dtypes(copy.copy(eager), "bfloat16", "float32", "float32", True) == eager

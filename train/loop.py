@@ -62,7 +62,7 @@ from train.run.records import (
     evaluate_at,
     write_summary,
 )
-from train.run.replan import with_heldout_shapes, with_train_batch
+from train.run.replan import replan_evaluation, with_heldout_shapes, with_train_batch
 from train.run.settings import (
     check_decode_context,
     check_settings,
@@ -302,6 +302,8 @@ def train_run(cfg: DictConfig) -> dict:
     summary = {}
     if main:
         wall = time.perf_counter() - t_run
+        if records.decode_copies is not None:  # the evaluation's copies as its verdicts made them
+            plan = replan_evaluation(plan, records.decode_copies)
         summary = {
             "name": str(cfg.name),
             "run_dir": str(run_dir),

@@ -51,6 +51,7 @@ from omegaconf import DictConfig
 from transformers import PretrainedConfig
 
 from models import vocab
+from models.dtype_choice import CANDIDATES
 from models.dtypes import resolve_dtype
 from train.run.meta_forward import MetaScalars, activation_bytes, meta_target, parameter_counts
 
@@ -95,6 +96,7 @@ class MemoryPlan:
     regeneration_bytes: int = 0  # the data phase: the target answering the training prompts
     heldout_regeneration_bytes: int = 0  # the feature pass: answering the held-out prompts
     compiled_bytes: int = 0  # decode.compile on a CPU: the frozen graphs' packed weights
+    compiled_weights: int = 0  # the target weights those graphs hold (elements, one copy)
     bucket_bytes: int = 0  # DDP: the gradient buckets, a second copy of the gradients
     gathered_bytes: int = 0  # FSDP: the unsharded unit in a forward / backward, accumulation
     checkpoint_bytes: int = 0  # FSDP: the full draft and optimizer state gathered to write
@@ -152,11 +154,13 @@ def plan_memory(
     decode_dtype: str = "auto",
     rows: int = 0,
     mixed: bool = False,
+    ar_dtypes: tuple[str, ...] = CANDIDATES,
 ) -> MemoryPlan:
     """The memory plan of one launch (see the module docstring for each line). `decode_dtype`
-    "auto": the larger copy (float32), as a CPU may measure either (a caller on CUDA passes
-    bfloat16, what auto gives there); `rows`: the training rows the feature cache would
-    hold (0: no estimate)."""
+    "auto": the larger draft copy (float32), and the target's copies of whichever dtype a CPU
+    may measure faster (a caller on CUDA passes bfloat16, what auto gives there); `ar_dtypes`:
+    the dtypes the fastest eager AR may take (on CUDA bfloat16 alone); `rows`: the training
+    rows the feature cache would hold (0: no estimate)."""
     if batch_size < 1 or max_len < 1 or ranks < 1:
         raise ValueError(
             f"batch_size, max_len and ranks must be >= 1, got {batch_size}, {max_len}, {ranks}"
@@ -198,9 +202,9 @@ def plan_memory(
     optimizer = trainable * (8 + (4 if param_bytes != 4 else 0))
     decode = torch.float32 if decode_dtype == "auto" else resolve_dtype(decode_dtype)
     element = decode.itemsize
+    decodes = CANDIDATES if decode_dtype == "auto" else (decode_dtype,)
     evaluation = (trainable + frozen) * element
-    if decode != dtype:
-        evaluation += target_params_frozen * element
+    evaluation += target_copy_bytes(target_params_frozen, dtype, decodes, ar_dtypes)
     per_token = taps * target_config.hidden_size * dtype.itemsize
     plan = MemoryPlan(
         target_name, str(dtype).removeprefix("torch."), target_params_frozen, target_bytes,
@@ -210,6 +214,20 @@ def plan_memory(
     )  # fmt: skip
     plan.no_grad_bytes = no_grad
     return spread_over_ranks(plan, mixed)
+
+
+def target_copy_bytes(
+    params: int, trained: torch.dtype, decodes: tuple[str, ...], ars: tuple[str, ...]
+) -> int:
+    """The most the evaluation's copies of the target hold (train/eval/plan.py: copies_in):
+    one in the decoding dtype and one in the fastest eager AR's, each where it is not the
+    training dtype (the training target itself decodes in its own), over every dtype each
+    may take."""
+    return max(
+        sum(params * d.itemsize for d in {resolve_dtype(dec), resolve_dtype(ar)} - {trained})
+        for dec in decodes
+        for ar in ars
+    )
 
 
 # Inductor's freezing on a CPU (decode.compile): each compiled graph holds the target's linear
@@ -291,6 +309,7 @@ def plan_for_run(
         int(cfg.train.batch_size), int(data.max_len), ranks, sharded,
         "bfloat16" if decode == "auto" and cuda else decode, rows,
         mixed=str(cfg.train.get("bf16")) == "true",  # FSDP gathers bf16 parameters
+        ar_dtypes=("bfloat16",) if cuda else CANDIDATES,
     )  # fmt: skip
     plan.baseline_bytes = 0 if cuda else baseline
     replay = bool((cfg.get("replay") or {}).get("enabled"))
@@ -318,6 +337,7 @@ def plan_for_run(
         weights = widths * plan.target_params
         if str(cfg.draft.kind) == "selfspec":  # its rounds' graphs: layers < L, layers >= L
             weights += plan.target_params + target_config.vocab_size * target_config.hidden_size
+        plan.compiled_weights = weights
         plan.compiled_bytes = COMPILED_COPIES * weights * element  # and the head again
         plan.evaluation_bytes += plan.compiled_bytes
     every, steps = tc.get("eval_every"), int(tc.steps)

@@ -3,13 +3,16 @@
 A run is admitted with the plan's bounds: every held-out batch and every training batch
 train.batch_size rows of data.max_len. Batches are padded to their own longest row, so
 most are shorter; once a run knows its shapes, it re-plans with them, and summary.json
-`memory` holds that plan beside the measured peaks (the admission stays the bound's)."""
+`memory` holds that plan beside the measured peaks (the admission stays the bound's). So
+with the evaluation's dtypes: a run is admitted with the larger of the dtypes a CPU may
+measure faster, and re-planned with the ones it measured."""
 
 from __future__ import annotations
 
 import math
 
-from train.run.memory_plan import MemoryPlan
+from models.dtypes import resolve_dtype
+from train.run.memory_plan import COMPILED_COPIES, MemoryPlan, target_copy_bytes
 
 
 def with_heldout_shapes(plan: MemoryPlan, shapes: list[tuple[int, int]]) -> MemoryPlan:
@@ -36,3 +39,32 @@ def with_train_batch(plan: MemoryPlan, widest: tuple[int, int] | None) -> Memory
         return plan
     plan.train_batch = (int(widest[0]), int(widest[1]))
     return plan
+
+
+def with_decode_dtypes(
+    plan: MemoryPlan, decode: str, ar: str, draft: str, compiled: bool
+) -> MemoryPlan:
+    """`plan` (in place) with the evaluation's copies as its verdicts made them
+    (train/eval/plan.py; summary.json `dtypes`) in place of the bound it was admitted with
+    (decode.dtype=auto: the larger of the dtypes a CPU may measure faster): the target in
+    the decoding dtype and in the fastest eager AR's where either is not its training dtype,
+    the draft in `draft`, and with `compiled` the graphs' frozen weights in the decoding
+    dtype (none where the evaluation decoded eagerly)."""
+    if not plan.evaluation_bytes:
+        return plan
+    trained = resolve_dtype(plan.target_dtype)
+    copies = target_copy_bytes(plan.target_params, trained, (decode,), (ar,))
+    weights = plan.compiled_weights if compiled else 0
+    plan.compiled_bytes = COMPILED_COPIES * weights * resolve_dtype(decode).itemsize
+    draft_params = (plan.draft_trainable or 0) + (plan.draft_frozen or 0)
+    plan.evaluation_bytes = (
+        copies + draft_params * resolve_dtype(draft).itemsize + plan.compiled_bytes
+    )
+    return plan
+
+
+def replan_evaluation(plan: MemoryPlan, copies) -> MemoryPlan:
+    """`with_decode_dtypes` for an evaluation's `DecodeCopies` (train/eval/compiled.py)."""
+    dtypes = {use: record["dtype"] for use, record in copies.dtypes.items()}
+    return with_decode_dtypes(plan, dtypes["decode"], dtypes["ar"],
+                              dtypes.get("draft", dtypes["decode"]), copies.compiled is not None)  # fmt: skip
