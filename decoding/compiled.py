@@ -283,6 +283,13 @@ class CompiledTarget:
         sync(device)
         return time.perf_counter() - t0
 
+    def release(self) -> None:
+        """Give back the graphs and what they hold (`Compiled.release`: with freezing, a copy
+        of the target's weights packed for the matmuls), which inductor otherwise keeps for
+        the life of the process: for a throwaway compile such as the dtype proxy's."""
+        if isinstance(self.step, Compiled):
+            self.step.release()
+
 
 def unwrap(target: Target | CompiledTarget) -> Target:
     """The plain Target under a CompiledTarget (for code traced into a drafter's graph)."""

@@ -7,10 +7,12 @@ under the project's cache root (`use_compile_cache`)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
+from types import CodeType, FunctionType, MethodType, ModuleType
 
 import torch
 from torch import Tensor
@@ -220,6 +222,10 @@ class Compiled:
         counts_recordings()
         self.freeze = freeze and mode != "aot_eager"
         self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
+        # dynamo keeps a function's graphs on its code object, which every instance of a
+        # method shares: a copy of the code keeps this one's apart, for `release`
+        fn, self.code = with_own_code(fn)
+        self.modules: list[ModuleType] = []  # what inductor loaded for these graphs
         self.fn = torch.compile(
             fn, backend=_backend(mode, self.freeze), fullgraph=True, dynamic=False
         )
@@ -227,6 +233,8 @@ class Compiled:
     def __call__(self, *args):
         args = tuple(dense(a) if isinstance(a, Tensor) else a for a in args)
         before, t0 = (STATS.graphs, STATS.cudagraphs), time.perf_counter()
+        codecache = sys.modules.get("torch._inductor.codecache")  # the first compile imports it
+        loaded = len(codecache.PyCodeCache.modules) if codecache else 0
         if self.cudagraphs:  # a new replay: outputs of the previous one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         if self.freeze:  # dynamo reads the flag when it traces: weights become constants
@@ -238,12 +246,45 @@ class Compiled:
             out = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, out)
         if (STATS.graphs, STATS.cudagraphs) != before:
             STATS.seconds += time.perf_counter() - t0
+            codecache = sys.modules.get("torch._inductor.codecache")
+            self.modules += codecache.PyCodeCache.modules[loaded:] if codecache else []
         return out
+
+    def release(self) -> None:
+        """Drop this function's graphs and the modules inductor loaded for them, which it
+        keeps for the life of the process (`PyCodeCache`, `sys.modules`): with freezing each
+        module holds its graph's constants, the frozen weights (two 2-layer proxies of the
+        SmolLM2 target kept 514 MiB, docs/memory.md). A call after it compiles anew."""
+        from torch._dynamo.eval_frame import reset_code
+        from torch._inductor.codecache import PyCodeCache
+
+        if self.code is not None:
+            reset_code(self.code)
+        dropped = {id(mod) for mod in self.modules}
+        PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if id(m) not in dropped]
+        for mod in self.modules:
+            PyCodeCache.modules_no_attr.pop(getattr(mod, "__file__", None), None)
+            if sys.modules.get(mod.__name__) is mod:
+                del sys.modules[mod.__name__]
+        self.modules = []
 
     @property
     def warm_calls(self) -> int:
         """Calls per shape that leave nothing to compile or record: 2 with CUDA graphs."""
         return 2 if self.cudagraphs else 1
+
+
+def with_own_code(fn: Callable) -> tuple[Callable, CodeType | None]:
+    """`fn` (a function or a bound method) as a function of the same behaviour over a copy
+    of its code object, and that copy; any other callable as it is, and None."""
+    func = getattr(fn, "__func__", fn)
+    if not isinstance(func, FunctionType):
+        return fn, None
+    code = func.__code__.replace()  # equal, not the same object
+    own = FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
+    bound = getattr(fn, "__self__", None)
+    return (own if bound is None else MethodType(own, bound)), code
 
 
 def dense(x: Tensor) -> Tensor:

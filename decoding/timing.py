@@ -25,12 +25,16 @@ def compiled_forward_seconds(
     timing does not predict it (on a CPU with AVX2 only the eager verify was faster in bf16
     while the compiled float32 AR step ran about 1.6x the compiled bf16 one, two evaluations,
     docs/portable.md), and compiling the whole target in every dtype costs minutes each
-    (docs/fastpath.md, "Compile modes"): the proxy compiles a fifteenth of it."""
+    (docs/fastpath.md, "Compile modes"): the proxy compiles a fifteenth of it, and gives
+    its graph back when timed."""
     copy_ = Target(cast_keep_rotary(first_layers(target.model, layers), dtype),
                    target.tokenizer, name=target.name, check_head=False)  # fmt: skip
     compiled = CompiledTarget(copy_, cached + width, (width,), (), mode=mode)
-    compiled.warmup()
-    return forward_seconds(compiled, width, cached, ()) * target.num_layers / copy_.num_layers
+    try:
+        compiled.warmup()
+        return forward_seconds(compiled, width, cached, ()) * target.num_layers / copy_.num_layers
+    finally:  # inductor would keep the copy's frozen weights for the rest of the process
+        compiled.release()
 
 
 def first_layers(model: torch.nn.Module, layers: int) -> torch.nn.Module:

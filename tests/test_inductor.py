@@ -61,3 +61,44 @@ def test_only_the_picked_vector_isa_is_probed(monkeypatch):
     with config.patch({"cpp.vec_isa_ok": False}):  # the user's setting stands, unprobed
         assert picks() is False
     assert probed == [str(used)]
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(48, 48)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).relu()
+
+
+def test_a_released_graph_gives_its_frozen_weights_back():
+    """`Compiled.release` drops its graphs and the modules inductor loaded for them (a frozen
+    graph's module holds its constants: the packed weights), which inductor keeps for the
+    life of the process; the graphs of another instance of the same method stay compiled,
+    and a call after the release compiles anew, right."""
+    import gc
+    import sys
+    import weakref
+
+    from decoding.inductor import STATS
+
+    torch.manual_seed(0)
+    first, second = Layer().eval(), Layer().eval()
+    released, kept = (Compiled(m.step, "default", freeze=True) for m in (first, second))
+    x = torch.randn(2, 48)
+    with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
+        released(x), kept(x)
+        assert released.modules and kept.modules
+        module = weakref.ref(released.modules[0])
+        name = released.modules[0].__name__
+        released.release()
+        graphs = STATS.graphs
+        assert torch.allclose(kept(x), second.step(x), atol=1e-5)
+        assert STATS.graphs == graphs  # still compiled
+        # inductor holds the newest compile's tracing state until the next compile
+        Compiled(lambda t: t * 2, "default")(x)
+        gc.collect()
+        assert module() is None and name not in sys.modules
+        assert torch.allclose(released(x), first.step(x), atol=1e-5)
+        assert STATS.graphs == graphs + 2  # the lambda's, and the released one's anew
