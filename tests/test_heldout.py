@@ -17,7 +17,10 @@ from train.report.plots import plot_learning_curve
 from train.report.runs import Group, load_run
 
 
-def test_record_matches_a_hand_computation_and_leaves_the_draft_as_it_was(tiny, tmp_path):
+@pytest.mark.parametrize("pad_multiple", [1, 8])  # batches as wide as their longest row, or 8s
+def test_record_matches_a_hand_computation_and_leaves_the_draft_as_it_was(
+    tiny, tmp_path, pad_multiple
+):
     torch.manual_seed(0)
     draft = from_target(tiny, num_layers=1, init="random").train()
     prompts = [{"input_ids": chat_ids(tiny, text)} for text in ("hello there", "a b c d", "x")]
@@ -27,7 +30,9 @@ def test_record_matches_a_hand_computation_and_leaves_the_draft_as_it_was(tiny, 
         n = len(p["input_ids"])
         assert r["input_ids"][:n] == p["input_ids"] and sum(r["loss_mask"][: n - 1]) == 0
     setup = StepSetup(LossSpec.from_settings({"name": "kl"}), [0], [Sampling(1.0), Sampling(0.7)])
-    held = HeldOut.from_rows(rows, tiny.tokenizer.pad_token_id, 2, tiny.device, setup, k=3)
+    held = HeldOut.from_rows(rows, tiny.tokenizer.pad_token_id, 2, tiny.device, setup, k=3,
+                             pad_multiple=pad_multiple)  # fmt: skip
+    assert all(b["input_ids"].shape[1] % pad_multiple == 0 for b in held.batches)
     before = {n: p.clone() for n, p in draft.state_dict().items()}
     built_in_eval = draft.model.model.layers[0].eval()  # e.g. a from_pretrained backbone
     rec = held.record(draft, tiny)

@@ -180,7 +180,8 @@ def test_a_run_records_each_phase_beside_the_plan(tmp_path):
     # decode.compile=auto without a compile record (a cache of its own): admitted with the
     # compiled graphs counted, decoded eagerly
     summary = run(compose_train("+experiment=debug", f"run_dir={tmp_path}", "train.heldout_proxy=true",
-                                "decode.compile=auto", f"data.cache_dir={tmp_path / 'cache'}"))  # fmt: skip
+                                "decode.compile=auto", f"data.cache_dir={tmp_path / 'cache'}",
+                                "train.pad_multiple=8"))  # fmt: skip
     phases = summary["memory"]["phases"]
     assert {"start-up", "data", "feature pass", "training", "checkpoint", "held-out proxy",
             "evaluation", "records"} <= set(phases)  # fmt: skip
@@ -192,6 +193,8 @@ def test_a_run_records_each_phase_beside_the_plan(tmp_path):
     plan = summary["memory"]["plan"]  # re-made with the widest batch the run trained
     rows, length = plan["train_batch"]
     assert rows == plan["batch_size"] and 0 < length <= plan["max_len"]
+    # training's batches and the held-out proxy's padded alike (train.pad_multiple)
+    assert length % 8 == 0 and all(width % 8 == 0 for _, width in plan["heldout_shapes"])
     # and with the copies its evaluation made, in the dtypes it chose, no graph compiled
     assert summary["final_eval"]["decode_path"] == "eager"
     assert plan["compiled_weights"] > 0 and plan["compiled_bytes"] == 0

@@ -91,6 +91,7 @@ class HeldOut:
         setup: StepSetup,
         k: int,
         prefix: str = PREFIX,
+        pad_multiple: int = 1,
     ) -> HeldOut:
         if not rows:
             raise ValueError(
@@ -99,7 +100,11 @@ class HeldOut:
                 "train.heldout_proxy=false"
             )
         chunks = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
-        batches = [{n: v.to(device) for n, v in collate(c, pad_id).items()} for c in chunks]
+        # widths padded as training's (train.pad_multiple): on a CPU each new width leaves
+        # oneDNN state for good (docs/memory.md)
+        batches = [
+            {n: v.to(device) for n, v in collate(c, pad_id, pad_multiple).items()} for c in chunks
+        ]
         return cls(batches, setup, k, prefix=prefix)
 
     @torch.no_grad()

@@ -203,8 +203,9 @@ def heldout_proxy(
         progress=bool(data.get("progress", True)), ranks=Ranks.current(),
     )  # fmt: skip
     pad, size, k = target.tokenizer.pad_token_id, int(cfg.train.batch_size), int(cfg.decode.k)
-    proxies = [HeldOut.from_rows(rows, pad, size, target.device, setup, k)]
+    multiple = int(cfg.train.get("pad_multiple") or 1)
+    proxies = [HeldOut.from_rows(rows, pad, size, target.device, setup, k, pad_multiple=multiple)]
     if prepared.val_rows:
         proxies.append(HeldOut.from_rows(prepared.val_rows, pad, size, target.device, setup, k,
-                                         prefix="val/"))  # fmt: skip
+                                         prefix="val/", pad_multiple=multiple))  # fmt: skip
     return proxies
