@@ -10,9 +10,13 @@ measure faster, and re-planned with the ones it measured."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from models.dtypes import resolve_dtype
 from train.run.memory_plan import COMPILED_COPIES, MemoryPlan, target_copy_bytes
+
+if TYPE_CHECKING:
+    from train.eval.compiled import DecodeCopies
 
 
 def with_heldout_shapes(plan: MemoryPlan, shapes: list[tuple[int, int]]) -> MemoryPlan:
@@ -63,7 +67,7 @@ def with_decode_dtypes(
     return plan
 
 
-def replan_evaluation(plan: MemoryPlan, copies) -> MemoryPlan:
+def replan_evaluation(plan: MemoryPlan, copies: DecodeCopies) -> MemoryPlan:
     """`with_decode_dtypes` for an evaluation's `DecodeCopies` (train/eval/compiled.py)."""
     dtypes = {use: record["dtype"] for use, record in copies.dtypes.items()}
     return with_decode_dtypes(plan, dtypes["decode"], dtypes["ar"],
