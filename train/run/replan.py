@@ -10,13 +10,10 @@ measure faster, and re-planned with the ones it measured."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from models.dtypes import resolve_dtype
+from train.eval.compiled import DecodeCopies
 from train.run.memory_plan import COMPILED_COPIES, MemoryPlan, target_copy_bytes
-
-if TYPE_CHECKING:
-    from train.eval.compiled import DecodeCopies
 
 
 def with_heldout_shapes(plan: MemoryPlan, shapes: list[tuple[int, int]]) -> MemoryPlan:
