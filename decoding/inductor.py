@@ -39,6 +39,8 @@ class CompileStats:
 
 
 STATS = CompileStats()
+# modules inductor loaded for a compile (the backend's), until its `Compiled` takes them
+UNCLAIMED: list[ModuleType] = []
 
 
 @cache
@@ -126,7 +128,12 @@ def _backend(mode: str, freeze: bool) -> Callable:
             options["cpp.vec_isa_ok"] = True
 
         def inner(gm, example_inputs):
-            return compile_fx(gm, example_inputs, config_patches=options)
+            from torch._inductor.codecache import PyCodeCache
+
+            loaded = len(PyCodeCache.modules)
+            compiled = compile_fx(gm, example_inputs, config_patches=options)
+            UNCLAIMED.extend(PyCodeCache.modules[loaded:])  # the calling `Compiled` takes them
+            return compiled
 
     def backend(gm, example_inputs):
         STATS.graphs += 1
@@ -233,8 +240,6 @@ class Compiled:
     def __call__(self, *args):
         args = tuple(dense(a) if isinstance(a, Tensor) else a for a in args)
         before, t0 = (STATS.graphs, STATS.cudagraphs), time.perf_counter()
-        codecache = sys.modules.get("torch._inductor.codecache")  # the first compile imports it
-        loaded = len(codecache.PyCodeCache.modules) if codecache else 0
         if self.cudagraphs:  # a new replay: outputs of the previous one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         if self.freeze:  # dynamo reads the flag when it traces: weights become constants
@@ -246,8 +251,8 @@ class Compiled:
             out = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, out)
         if (STATS.graphs, STATS.cudagraphs) != before:
             STATS.seconds += time.perf_counter() - t0
-            codecache = sys.modules.get("torch._inductor.codecache")
-            self.modules += codecache.PyCodeCache.modules[loaded:] if codecache else []
+            self.modules += UNCLAIMED  # what inductor loaded for the graphs this call compiled
+            UNCLAIMED.clear()
         return out
 
     def release(self) -> None:
