@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from models.target_loaders import target_config
 from train.run.memory_plan import plan_for_run
-from train.run.replan import with_decode_dtypes, with_heldout_shapes, with_train_batch
+from train.run.replan import with_heldout_shapes, with_recorded_dtypes, with_train_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -78,10 +78,7 @@ def replan(run_dir: Path, summary: dict) -> dict:
     plan = with_train_batch(plan, recorded.get("train_batch"))
     dtypes, evaluated = summary.get("dtypes") or {}, summary.get("final_eval") or {}
     if all(use in dtypes for use in ("decode", "ar")) and "decode_path" in evaluated:
-        decode, ar = dtypes["decode"]["dtype"], dtypes["ar"]["dtype"]
-        draft = (dtypes.get("draft") or dtypes["decode"])["dtype"]
-        compiled = evaluated["decode_path"] == "compiled"
-        plan = with_decode_dtypes(plan, decode, ar, draft, compiled)
+        plan = with_recorded_dtypes(plan, dtypes, evaluated["decode_path"] == "compiled")
     planned = plan.phase_bytes()
     phases = {k: {**v, "plan_bytes": planned.get(k)} for k, v in memory.get("phases", {}).items()}
     return {**memory, "plan_peak_bytes": plan.peak_bytes(), "phases": phases}

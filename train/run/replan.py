@@ -64,8 +64,14 @@ def with_decode_dtypes(
     return plan
 
 
+def with_recorded_dtypes(plan: MemoryPlan, records: dict, compiled: bool) -> MemoryPlan:
+    """`with_decode_dtypes` from the verdicts' records (`DtypeChoice.as_record`s by use:
+    `DecodeCopies.dtypes`, summary.json `dtypes`); the draft's, where none, the decoding's."""
+    dtypes = {use: record["dtype"] for use, record in records.items() if isinstance(record, dict)}
+    draft = dtypes.get("draft", dtypes["decode"])
+    return with_decode_dtypes(plan, dtypes["decode"], dtypes["ar"], draft, compiled)
+
+
 def replan_evaluation(plan: MemoryPlan, copies: DecodeCopies) -> MemoryPlan:
-    """`with_decode_dtypes` for an evaluation's `DecodeCopies` (train/eval/compiled.py)."""
-    dtypes = {use: record["dtype"] for use, record in copies.dtypes.items()}
-    return with_decode_dtypes(plan, dtypes["decode"], dtypes["ar"],
-                              dtypes.get("draft", dtypes["decode"]), copies.compiled is not None)  # fmt: skip
+    """`with_recorded_dtypes` for an evaluation's `DecodeCopies` (train/eval/compiled.py)."""
+    return with_recorded_dtypes(plan, copies.dtypes, copies.compiled is not None)
