@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -105,6 +106,7 @@ class PhaseMemory:
         peak = process_memory("VmHWM")
         if peak is not None and peak >= (self.rss.get(name) or 0):
             self.rss[name], self.starts[name] = peak, self.opened[-1]
+        gc.collect()  # the phase's reference cycles (a compile's graphs, copies' modules)
         give_back_freed()
         if self.cuda is not None:
             allocated = torch.cuda.max_memory_allocated(self.cuda)
