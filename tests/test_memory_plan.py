@@ -18,9 +18,14 @@ from models.target_loaders import build_tiny_random, target_config
 from tests.helpers import compose_debug
 from train.loop import run
 from train.run.memory_fit import check_fits
-from train.run.memory_plan import plan_for_run, planned_dtype
+from train.run.memory_plan import plan_for_run, planned_dtype, regeneration_bytes
 from train.run.meta_forward import activation_bytes, parameter_counts
-from train.run.replan import with_decode_dtypes, with_heldout_shapes, with_train_batch
+from train.run.replan import (
+    with_decode_dtypes,
+    with_heldout_shapes,
+    with_recorded_dtypes,
+    with_train_batch,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = Path(__file__).parent / "llama31_8b"  # Llama-3.1-8B's published config.json only
@@ -174,6 +179,23 @@ def test_each_phase_holds_what_runs_in_it():
     assert one.peak_bytes() == max(phases.values())
 
 
+def test_the_held_out_answers_are_planned_in_the_training_targets_dtype():
+    """train.heldout_proxy's answers come from the target as it trains (no copy in the
+    regeneration dtype, its K/V in the target's dtype); the data phase's answers from a copy
+    in data.regen_dtype."""
+    base = ("+experiment=eagle_tv", "target=hf", f"target.path={LLAMA_8B}", "data.pack=null",
+            "data.num_train=64", "data.num_eval=8", "train.heldout_proxy=true",
+            "data.regen_dtype=float32", "train.time_budget_s=null", "train.steps=8")  # fmt: skip
+    cfg = compose_train(*base)
+    plan = plan_of(cfg, "bfloat16")
+    config, _ = target_config(OmegaConf.to_container(cfg.target, resolve=True))
+    answering = dict(config=config, slots=int(cfg.data.regen_batch_size),
+                     prompt=plan.max_len // 2, new=int(cfg.data.max_new_tokens))  # fmt: skip
+    assert plan.heldout_regeneration_bytes == regeneration_bytes(prompts=8, element=2, **answering)
+    copy_ = plan.target_params * 4  # the data phase answers with a float32 copy
+    assert plan.regeneration_bytes == copy_ + regeneration_bytes(prompts=64, element=4, **answering)
+
+
 def test_a_run_records_each_phase_beside_the_plan(tmp_path):
     """summary.json memory.phases: every phase the run went through, measured, with the
     plan's figure for it (train/phase_memory.py, MemoryPlan.phase_bytes)."""
@@ -290,3 +312,26 @@ def test_the_evaluation_is_re_planned_with_the_dtypes_it_measured(trained):
         assert evaluations["bfloat16", "float32", True] == 4 * params + 4 * draft + 4 * weights
     eager = plan_of(compose_train("+experiment=eagle_tv", "train.eval_at_ckpt=false"), trained)
     assert with_decode_dtypes(copy.copy(eager), "bfloat16", "float32", "float32", True) == eager
+
+
+@pytest.mark.parametrize("trained", ["bfloat16", "float32"])
+def test_the_dtype_verdicts_timing_copy_is_planned_where_a_verdict_is_measured(trained):
+    """A CPU measuring its dtypes times a copy of the target in the other candidate dtype
+    (float32 beside a bf16 target: 4 bytes a parameter; bf16 beside a float32 one: 2), freed
+    before the decoding copies are made: the copies-and-dtypes phase holds the larger of the
+    two. Verdicts read from their records, or all explicit on CUDA, time nothing."""
+    cfg = compose_train("+experiment=eagle_tv", "data.pack=null", "data.num_train=8")
+    bound = plan_of(cfg, trained)
+    other = {"bfloat16": 4, "float32": 2}[trained]
+    assert bound.verdict_bytes == other * bound.target_params
+    assert plan_of(cfg, trained, cuda=True).verdict_bytes == 0
+    kept = bound.phase_bytes()["checkpoint"]
+    for measured in (True, False):
+        for decode in ("bfloat16", "float32"):
+            records = {use: {"dtype": decode, "source": "measured" if measured else "cached"}
+                       for use in ("decode", "ar", "draft")}  # fmt: skip
+            got = with_recorded_dtypes(copy.copy(bound), records, compiled=True)
+            assert got.verdict_bytes == (other * bound.target_params if measured else 0)
+            copies = got.evaluation_bytes - got.compiled_bytes
+            phase = got.phase_bytes()["evaluation: copies and dtypes"]
+            assert phase == kept + max(got.verdict_bytes, copies)

@@ -96,9 +96,10 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  activations ckpt  {gib(plan.activation_bytes_checkpointed):>12}  (with gradient checkpointing of the draft's blocks)",  # fmt: skip
         f"  evaluation copies {gib(plan.evaluation_bytes):>12}  (decode.dtype copies of target and draft; 0: no decoding)",  # fmt: skip
         f"    of which compiled {gib(plan.compiled_bytes):>10}  (decode.compile on a CPU: each graph's packed weights)",  # fmt: skip
+        f"  dtype verdicts    {gib(plan.verdict_bytes):>12}  (a CPU timing its dtypes: the target copied into the other candidate, freed before the copies)",  # fmt: skip
         f"  held-out proxy    {gib(plan.heldout_bytes):>12}  (train.heldout_proxy: cached taps, a batch's logits, a forward; the taps, {gib(plan.heldout_kept_bytes)}, kept after a pass before the last step)",  # fmt: skip
         f"  regeneration      {gib(plan.regeneration_bytes):>12}  (answering the training prompts: K/V slots, a prefill, a copy in data.regen_dtype)",  # fmt: skip
-        f"  held-out answers  {gib(plan.heldout_regeneration_bytes):>12}  (train.heldout_proxy: the held-out prompts answered once)",  # fmt: skip
+        f"  held-out answers  {gib(plan.heldout_regeneration_bytes):>12}  (train.heldout_proxy: the held-out prompts answered once, by the target in its dtype)",  # fmt: skip
         f"  DDP buckets       {gib(plan.bucket_bytes):>12}  (a second copy of the gradients)",
         f"  FSDP unsharded    {gib(plan.gathered_bytes):>12}  (a forward / backward's gathered unit; the checkpoint gathers {gib(plan.checkpoint_bytes)})",  # fmt: skip
         f"  peak              {gib(plan.peak_bytes()):>12}  (with checkpointing: {gib(plan.peak_bytes(True))})",  # fmt: skip

@@ -17,6 +17,8 @@ saves for the backward (`torch.autograd.graph.saved_tensors_hooks`). What each l
   evaluation   the copies decoding makes: the target in decode.dtype when that differs from
                its training dtype, the draft in decode.dtype, and on a CPU with
                decode.compile each compiled graph's frozen, packed target weights
+  verdicts     (a CPU measuring its dtypes) the timing copy of the target in the largest
+               candidate dtype other than its own, one at a time, before the copies exist
   held-out     (train.heldout_proxy) at each checkpoint, no gradients: the held-out and
                validation rows' cached taps, one batch's target logits, the draft's float32
                logits, the loss's float32 working copies of one offset's rows (three at once)
@@ -102,6 +104,7 @@ class MemoryPlan:
     checkpoint_bytes: int = 0  # FSDP: the full draft and optimizer state gathered to write
     skeleton_bytes: int = 0  # FSDP: the unsharded draft an evaluation streams in
     evaluates_early: bool = False  # an evaluation before the last step: its copies stay
+    verdict_bytes: int = 0  # the dtype verdicts' timing copy of the target (models/dtype_choice.py)
 
     def peak_bytes(self, checkpointing: bool = False) -> int:
         """The most one rank holds: the largest of its phases (`phase_bytes`)."""
@@ -130,8 +133,9 @@ class MemoryPlan:
             + self.gathered_bytes + (met or 0),
             "checkpoint": kept + copies + self.checkpoint_bytes,
             "held-out proxy": kept - self.heldout_kept_bytes + copies + self.heldout_bytes,
-            "evaluation: copies and dtypes": kept + self.skeleton_bytes + self.evaluation_bytes
-            - self.compiled_bytes,
+            # the verdicts' timing copy is freed before the decoding copies are made
+            "evaluation: copies and dtypes": kept + self.skeleton_bytes
+            + max(self.verdict_bytes, self.evaluation_bytes - self.compiled_bytes),
             "evaluation: compile": kept + self.skeleton_bytes + self.evaluation_bytes,
             "evaluation": kept + self.skeleton_bytes + self.evaluation_bytes,
             "records": kept + self.evaluation_bytes,  # the last evaluation's copies, kept
@@ -213,7 +217,17 @@ def plan_memory(
         per_token * rows * max_len, batch_size, max_len, ranks, sharded, notes,
     )  # fmt: skip
     plan.no_grad_bytes = no_grad
+    if decode_dtype == "auto" or len(ar_dtypes) > 1:  # a dtype is measured: CPU, no record
+        plan.verdict_bytes = timing_copy_bytes(target_params_frozen, dtype)
     return spread_over_ranks(plan, mixed)
+
+
+def timing_copy_bytes(params: int, trained: torch.dtype) -> int:
+    """The dtype verdicts' largest transient (models/dtype_choice.py: time_forward): the
+    target copied into a candidate dtype other than its training one to time a forward, one
+    candidate at a time (the 2-layer compiled proxies are a fraction of it)."""
+    return max((params * resolve_dtype(c).itemsize for c in CANDIDATES
+                if resolve_dtype(c) != trained), default=0)  # fmt: skip
 
 
 def target_copy_bytes(
@@ -328,7 +342,9 @@ def plan_for_run(
         plan.regeneration_bytes = regen_copy + regeneration_bytes(prompts=asked, **answering)
     if tc.get("heldout_proxy") and hf:
         num_eval = int(data.get("num_eval") or 0)
-        plan.heldout_regeneration_bytes = regen_copy + regeneration_bytes(prompts=num_eval, **answering)  # fmt: skip
+        # answered by the target as it trains (train/run/setup.py: heldout_proxy): its dtype, no copy
+        own = answering | {"element": dtype.itemsize}
+        plan.heldout_regeneration_bytes = regeneration_bytes(prompts=num_eval, **own)
     if compiles_on_cpu(dec, cuda) and plan.evaluation_bytes:
         widths = 3 if dec.get("adaptive_k") else 2  # 1 (the AR) and k + 1 (the verify)
         element = (

@@ -13,7 +13,12 @@ import math
 
 from models.dtypes import resolve_dtype
 from train.eval.compiled import DecodeCopies
-from train.run.memory_plan import COMPILED_COPIES, MemoryPlan, target_copy_bytes
+from train.run.memory_plan import (
+    COMPILED_COPIES,
+    MemoryPlan,
+    target_copy_bytes,
+    timing_copy_bytes,
+)
 
 
 def with_heldout_shapes(plan: MemoryPlan, shapes: list[tuple[int, int]]) -> MemoryPlan:
@@ -43,14 +48,15 @@ def with_train_batch(plan: MemoryPlan, widest: tuple[int, int] | None) -> Memory
 
 
 def with_decode_dtypes(
-    plan: MemoryPlan, decode: str, ar: str, draft: str, compiled: bool
+    plan: MemoryPlan, decode: str, ar: str, draft: str, compiled: bool, measured: bool = True
 ) -> MemoryPlan:
     """`plan` (in place) with the evaluation's copies as its verdicts made them
     (train/eval/plan.py; summary.json `dtypes`) in place of the bound it was admitted with
     (decode.dtype=auto: the larger of the dtypes a CPU may measure faster): the target in
     the decoding dtype and in the fastest eager AR's where either is not its training dtype,
     the draft in `draft`, and with `compiled` the graphs' frozen weights in the decoding
-    dtype (none where the evaluation decoded eagerly)."""
+    dtype (none where the evaluation decoded eagerly); the verdicts' timing copy only where
+    a verdict was `measured` (not read from its record)."""
     if not plan.evaluation_bytes:
         return plan
     trained = resolve_dtype(plan.target_dtype)
@@ -61,6 +67,7 @@ def with_decode_dtypes(
     plan.evaluation_bytes = (
         copies + draft_params * resolve_dtype(draft).itemsize + plan.compiled_bytes
     )
+    plan.verdict_bytes = timing_copy_bytes(plan.target_params, trained) if measured else 0
     return plan
 
 
@@ -69,7 +76,8 @@ def with_recorded_dtypes(plan: MemoryPlan, records: dict, compiled: bool) -> Mem
     `DecodeCopies.dtypes`, summary.json `dtypes`); the draft's, where none, the decoding's."""
     dtypes = {use: record["dtype"] for use, record in records.items() if isinstance(record, dict)}
     draft = dtypes.get("draft", dtypes["decode"])
-    return with_decode_dtypes(plan, dtypes["decode"], dtypes["ar"], draft, compiled)
+    measured = any((records.get(use) or {}).get("source") == "measured" for use in ("decode", "ar"))
+    return with_decode_dtypes(plan, dtypes["decode"], dtypes["ar"], draft, compiled, measured)
 
 
 def replan_evaluation(plan: MemoryPlan, copies: DecodeCopies) -> MemoryPlan:
