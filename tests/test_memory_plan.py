@@ -325,6 +325,8 @@ def test_the_dtype_verdicts_timing_copy_is_planned_where_a_verdict_is_measured(t
     other = {"bfloat16": 4, "float32": 2}[trained]
     assert bound.verdict_bytes == other * bound.target_params
     assert plan_of(cfg, trained, cuda=True).verdict_bytes == 0
+    no_eval = compose_train("+experiment=eagle_tv", "train.eval_at_ckpt=false")
+    assert plan_of(no_eval, trained).verdict_bytes == 0  # nothing decoded, nothing timed
     kept = bound.phase_bytes()["checkpoint"]
     for measured in (True, False):
         for decode in ("bfloat16", "float32"):

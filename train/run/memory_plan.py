@@ -328,8 +328,8 @@ def plan_for_run(
     plan.baseline_bytes = 0 if cuda else baseline
     replay = bool((cfg.get("replay") or {}).get("enabled"))
     tc, dec = cfg.train, cfg.decode
-    if not (tc.eval_at_ckpt or replay):  # no decoding, no decoding copies
-        plan.evaluation_bytes = 0
+    if not (tc.eval_at_ckpt or replay):  # no decoding: no decoding copies, no verdicts
+        plan.evaluation_bytes = plan.verdict_bytes = 0
     dtype = resolve_dtype(target_dtype)
     regen = planned_dtype(str(data.get("regen_dtype", "auto")), cuda)
     regen_copy = 0 if resolve_dtype(regen) == dtype else plan.target_params * resolve_dtype(regen).itemsize  # fmt: skip
