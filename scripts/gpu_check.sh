@@ -65,13 +65,13 @@ report() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$RESULTS"; echo "[gpu_check]
 if [ "$DEVICE" = cpu ]; then COMPILE_MODE=aot_eager; TEST_DEVICE=""; else COMPILE_MODE=auto; TEST_DEVICE=cuda; fi
 LIMIT=${GPU_CHECK_RUN_LIMIT:-120}  # seconds per 2-step run, a cold compile included (2 processes: twice that)
 
-if want tests; then
-  DRAFTLAB_TEST_DEVICE=$TEST_DEVICE timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
+if want tests; then  # in one process (-o addopts=: no xdist workers, which this Python may lack)
+  DRAFTLAB_TEST_DEVICE=$TEST_DEVICE timeout 150 "$PY" -m pytest -o addopts= -q -m "not gpu" -p no:cacheprovider \
     tests/test_verify.py tests/test_spec.py tests/test_metrics.py \
     --junitxml="$OUT_DIR/tests.xml" > "$OUT_DIR/tests.txt" 2>&1
   rc=$?; [ $rc -eq 0 ] && report tests PASS "$(tail -1 "$OUT_DIR/tests.txt")" || report tests FAIL "rc $rc: $(tail -1 "$OUT_DIR/tests.txt")"
   if [ "$DEVICE" != cpu ]; then  # -m gpu: the CUDA-graph test (addopts deselect it elsewhere)
-    timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_compiled.py > "$OUT_DIR/tests_compiled.txt" 2>&1
+    timeout 120 "$PY" -m pytest -o addopts= -q -p no:cacheprovider -m gpu tests/test_compiled.py > "$OUT_DIR/tests_compiled.txt" 2>&1
     rc=$?; [ $rc -eq 0 ] && report tests_cudagraphs PASS "$(tail -1 "$OUT_DIR/tests_compiled.txt")" || report tests_cudagraphs FAIL "rc $rc: $(tail -1 "$OUT_DIR/tests_compiled.txt")"
   fi
 fi

@@ -10,6 +10,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # with AMX). Strict conditional numerical reproducibility makes results alignment-free; set
 # before torch loads MKL, and inherited by the runs the tests start as subprocesses.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# pyproject's addopts run the tests in pytest-xdist workers, one per core: each worker, and
+# the runs it starts, gets one thread (two processes of two threads on two cores slow every
+# forward several-fold). Set before torch reads it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
