@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ALL_COMPLETED, wait
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from tests.helpers import chat_ids, write_rows
 from tests.test_ranks import ThreadRanks
+from train.data import regen_openai
 from train.data.prepare import prepare_data
 from train.data.regen_openai import regenerate_openai, request_seed
 from train.data.regenerate import _sha
@@ -189,7 +191,10 @@ def test_refused_prompts_are_recorded_skipped_and_not_resent(tiny_target, tmp_pa
     assert asked(seen) == [QUESTIONS[1]] and len(fixed.train) == 5
 
 
-def test_too_many_refusals_stop_sending_and_refuse_the_run(tiny_target, tmp_path):
+@pytest.mark.parametrize("together", [False, True])
+def test_too_many_refusals_stop_sending_and_refuse_the_run(tiny_target, tmp_path, monkeypatch, together):  # fmt: skip
+    if together:  # the first two refusals reach the client at once (as a slow client sees them)
+        monkeypatch.setattr(regen_openai, "wait", lambda fs, return_when: wait(fs, return_when=ALL_COMPLETED))  # fmt: skip
     refused = r"refused 3 of 5 prompts, more than data.max_failed_share=0.2"
     with fake_server(refuse={q: "no" for q in QUESTIONS}) as (url, seen), pytest.raises(ValueError, match=refused):  # fmt: skip
         prepare(tiny_target, tmp_path, url, max_failed_share=0.2, regen_concurrency=1)

@@ -244,35 +244,38 @@ def send_share(
                 if not pending:
                     break
                 # FIRST_COMPLETED: each answer reaches the file (and the bar) as it arrives.
+                # One answer a turn, the earliest sent first, the window refilled between: what
+                # is sent next follows from the answers so far, not from how many of them
+                # arrived together (two refusals handled at once sent one request fewer).
                 finished_now, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished_now:
-                    i = pending.pop(future)
-                    err = future.exception()
-                    if isinstance(err, Refused):  # this prompt's fault: recorded, not retried
-                        row = {"prompt": keys[i], "status": err.status, "error": err.message}
-                        append_line(failures, json.dumps(row) + "\n", refusals)
-                        stats["refused"] += 1
-                    elif err is not None:  # failed for good (after its retries)
-                        raise err
-                    else:
-                        answer, tries = future.result()
-                        choice = answer["choices"][0]
-                        text = choice["message"].get("content") or ""
-                        ids, stopped = answer_ids(
-                            target, messages[i], prompts[i], text,
-                            choice.get("finish_reason") == "stop", max_new_tokens, chat_template,
-                        )  # fmt: skip
-                        row = {"prompt": keys[i], "ids": ids, "finished": stopped, "text": text}
-                        # One line per answer: a crash loses only the requests in flight.
-                        append_line(answers, json.dumps(row) + "\n", out)
-                        usage = answer.get("usage") or {}
-                        stats["server_tokens"] += usage.get("completion_tokens") or 0
-                        if usage.get("prompt_tokens") not in (None, len(prompts[i])):
-                            stats["prompt_tokens_differ"] += 1
-                        stats["retries"] += tries
-                        stats["generated"] += 1
-                        stats["new_tokens"] += len(ids)
-                    bar.update(1)
+                future = next(f for f in pending if f in finished_now)
+                i = pending.pop(future)
+                err = future.exception()
+                if isinstance(err, Refused):  # this prompt's fault: recorded, not retried
+                    row = {"prompt": keys[i], "status": err.status, "error": err.message}
+                    append_line(failures, json.dumps(row) + "\n", refusals)
+                    stats["refused"] += 1
+                elif err is not None:  # failed for good (after its retries)
+                    raise err
+                else:
+                    answer, tries = future.result()
+                    choice = answer["choices"][0]
+                    text = choice["message"].get("content") or ""
+                    ids, stopped = answer_ids(
+                        target, messages[i], prompts[i], text,
+                        choice.get("finish_reason") == "stop", max_new_tokens, chat_template,
+                    )  # fmt: skip
+                    row = {"prompt": keys[i], "ids": ids, "finished": stopped, "text": text}
+                    # One line per answer: a crash loses only the requests in flight.
+                    append_line(answers, json.dumps(row) + "\n", out)
+                    usage = answer.get("usage") or {}
+                    stats["server_tokens"] += usage.get("completion_tokens") or 0
+                    if usage.get("prompt_tokens") not in (None, len(prompts[i])):
+                        stats["prompt_tokens_differ"] += 1
+                    stats["retries"] += tries
+                    stats["generated"] += 1
+                    stats["new_tokens"] += len(ids)
+                bar.update(1)
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix(tok_s=f"{stats['new_tokens'] / elapsed:.0f}")
     finally:
