@@ -19,6 +19,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from train.run.machine import usable_cores  # noqa: E402
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core this process may run on, as a
+    run counts them. xdist's own count is psutil's physical cores, 1 where two vCPUs are one
+    core's two threads: the whole suite then runs in one worker, twice as long."""
+    return usable_cores()
+
 
 @pytest.fixture
 def tiny_target():

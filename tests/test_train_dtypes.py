@@ -92,6 +92,18 @@ def test_threads_are_the_cores_shared_by_processes(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_the_suite_starts_a_worker_per_usable_core(monkeypatch):
+    import psutil
+
+    from tests.conftest import pytest_xdist_auto_num_workers
+
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 1)  # one core, two threads
+    monkeypatch.setattr(train.run.machine.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert pytest_xdist_auto_num_workers(None) == 2 == train.run.machine.usable_cores()
+    monkeypatch.setattr(train.run.machine.os, "sched_getaffinity", lambda pid: {5})  # taskset
+    assert pytest_xdist_auto_num_workers(None) == 1
+
+
 def test_a_resumed_auto_run_keeps_the_target_dtype_it_ran_in(tmp_path, monkeypatch):
     """A re-measured verdict must not change the features the draft reads mid-run."""
     overrides = ("target.dtype=auto", "train.bf16=false", "train.eval_at_ckpt=false",

@@ -32,16 +32,23 @@ from train.core.step import StepSetup, StepStats, offset_losses, target_output
 from train.parallel.ranks import Ranks
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity (a cpuset or taskset counts), where the
+    OS has one, else every CPU; at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
+
+
 def share_threads(local_processes: int, device: torch.device) -> dict:
     """Set torch's intra-op threads to this process's share of the usable cores (CPU runs
     only; OMP_NUM_THREADS wins). Returns what was decided, for summary.json."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     record = {"cores": cores, "processes_here": local_processes, "source": "default"}
     if device.type == "cpu":
         if os.environ.get("OMP_NUM_THREADS"):
             record["source"] = "OMP_NUM_THREADS"
         else:
-            torch.set_num_threads(max(1, (cores or 1) // max(1, local_processes)))
+            torch.set_num_threads(max(1, cores // max(1, local_processes)))
             record["source"] = "cores / processes"
     record["threads"] = torch.get_num_threads()
     return record
