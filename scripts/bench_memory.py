@@ -65,17 +65,19 @@ def command(launcher: list[str], overrides: list[str], run_dir: Path) -> list[st
 
 def replan(run_dir: Path, summary: dict) -> dict:
     """The run's `memory` with the plan this code makes for its config.yaml (its target dtype,
-    ranks, process baseline, held-out batches, widest training batch and the evaluation's
-    dtypes and path as recorded): a run measured before a change of the plan is compared
-    with the plan as it is now."""
+    ranks, process baseline, held-out batches, widest training batch, the matmul shapes' state
+    and shapes met, and the evaluation's dtypes and path as recorded): a run measured before
+    a change of the plan is compared with the plan as it is now."""
     cfg = OmegaConf.load(run_dir / "config.yaml")
     memory = summary["memory"]
     recorded = memory["plan"]
     config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
+    # the matmul shapes' state as the run measured it, where it did (else measured here)
+    shapes = (recorded["shape_bytes_per_width"], recorded["matmuls_per_width"]) if "matmuls_per_width" in recorded else None  # fmt: skip
     plan = plan_for_run(cfg, config, name, recorded["target_dtype"], recorded["ranks"],
-                        recorded["sharded"], False, recorded["baseline_bytes"])  # fmt: skip
+                        recorded["sharded"], False, recorded["baseline_bytes"], shapes)  # fmt: skip
     plan = with_heldout_shapes(plan, recorded.get("heldout_shapes") or [])  # as the run did
-    plan = with_train_batch(plan, recorded.get("train_batch"))
+    plan = with_train_batch(plan, recorded.get("train_batch"), recorded.get("shape_widths"))
     dtypes, evaluated = summary.get("dtypes") or {}, summary.get("final_eval") or {}
     if all(use in dtypes for use in ("decode", "ar")) and "decode_path" in evaluated:
         plan = with_recorded_dtypes(plan, dtypes, evaluated["decode_path"] == "compiled")

@@ -13,9 +13,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import train.loop
 import train.run.setup
 from models.target_loaders import build_tiny_random, target_config
 from tests.helpers import compose_debug
+from train.data.prepare import collate as prepare_collate
 from train.loop import run
 from train.run.memory_fit import check_fits
 from train.run.memory_plan import plan_for_run, planned_dtype, regeneration_bytes
@@ -37,9 +39,12 @@ def compose_train(*overrides: str):
         return compose("train", overrides=[*overrides, "logger=none"])
 
 
-def plan_of(cfg, dtype: str, ranks: int = 1, sharded: bool = False, cuda: bool = False):
+def plan_of(cfg, dtype: str, ranks: int = 1, sharded: bool = False, cuda: bool = False,
+            shapes: tuple[int, int] | None = (0, 0)):  # fmt: skip
+    """The plan of `cfg`; `shapes`: its matmul shapes' state as given, not measured (a
+    measurement differs run to run: None measures it)."""
     config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
-    return plan_for_run(cfg, config, name, dtype, ranks, sharded, cuda)
+    return plan_for_run(cfg, config, name, dtype, ranks, sharded, cuda, shapes=shapes)
 
 
 def test_llama_3_1_8b_target_is_two_bytes_per_parameter_in_bf16():
@@ -196,9 +201,17 @@ def test_the_held_out_answers_are_planned_in_the_training_targets_dtype():
     assert plan.regeneration_bytes == copy_ + regeneration_bytes(prompts=64, element=4, **answering)
 
 
-def test_a_run_records_each_phase_beside_the_plan(tmp_path):
+def test_a_run_records_each_phase_beside_the_plan(tmp_path, monkeypatch):
     """summary.json memory.phases: every phase the run went through, measured, with the
     plan's figure for it (train/phase_memory.py, MemoryPlan.phase_bytes)."""
+    trained: set[tuple[int, int]] = set()  # the micro-batches' shapes, as the loop collates them
+
+    def collate(*args, **kwargs):
+        batch = prepare_collate(*args, **kwargs)
+        trained.add(tuple(batch["input_ids"].shape))
+        return batch
+
+    monkeypatch.setattr(train.loop, "collate", collate)
     # decode.compile=auto without a compile record (a cache of its own): admitted with the
     # compiled graphs counted, decoded eagerly
     summary = run(compose_train("+experiment=debug", f"run_dir={tmp_path}", "train.heldout_proxy=true",
@@ -217,6 +230,9 @@ def test_a_run_records_each_phase_beside_the_plan(tmp_path):
     assert rows == plan["batch_size"] and 0 < length <= plan["max_len"]
     # training's batches and the held-out proxy's padded alike (train.pad_multiple)
     assert length % 8 == 0 and all(width % 8 == 0 for _, width in plan["heldout_shapes"])
+    # the matmul shapes' state: measured where the plan was made, for the shapes trained
+    assert plan["shape_widths"] == len(trained) > 1 and plan["matmuls_per_width"] > 0
+    assert plan["shape_bytes"] == plan["shape_bytes_per_width"] * len(trained)
     # and with the copies its evaluation made, in the dtypes it chose, no graph compiled
     assert summary["final_eval"]["decode_path"] == "eager"
     assert plan["compiled_weights"] > 0 and plan["compiled_bytes"] == 0

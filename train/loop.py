@@ -244,7 +244,8 @@ def train_run(cfg: DictConfig) -> dict:
     bar = progress_bar(cfg, start_step, clock["train_s"], main)
 
     # -- the loop ---------------------------------------------------------------------
-    done, widest = start_step, (0, 0)  # the widest micro-batch trained: the plan re-made with it
+    # the widest micro-batch trained and the shapes met: the plan re-made with them
+    done, widest, shapes_met = start_step, (0, 0), set()
     memory.begin("training")  # its evaluations are phases of their own
     out_of_time = budget is not None and clock["train_s"] >= budget  # spent before a resume
     if resume_from is not None:  # what a kill between the checkpoint and its evaluation lost
@@ -262,7 +263,8 @@ def train_run(cfg: DictConfig) -> dict:
         ]
         result = train_step(step, draft, core, target, micro, chunks, setup, accelerator,
                             params, features, replay)  # fmt: skip
-        widest = max([widest, *(tuple(m["input_ids"].shape) for m in micro)], key=math.prod)
+        shapes_met.update(tuple(m["input_ids"].shape) for m in micro)
+        widest = max([widest, *shapes_met], key=math.prod)
         if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
             bar.close()
             raise diverged(step, result, records.last_checkpoint)
@@ -319,7 +321,7 @@ def train_run(cfg: DictConfig) -> dict:
             "data_stats": prepared.stats,
             "threads": threads,  # torch threads per process and why (train/run/machine.py)
             "dtypes": {use: choice.as_record() for use, choice in dtypes.items()},
-            "memory": measured_memory(with_train_batch(plan, widest), memory),  # beside the peak
+            "memory": measured_memory(with_train_batch(plan, widest, len(shapes_met)), memory),
         }
         summary = write_summary(cfg, run_dir, summary, records)
         finish_tracking(accelerator, tracking, summary)

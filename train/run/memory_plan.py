@@ -29,6 +29,10 @@ saves for the backward (`torch.autograd.graph.saved_tensors_hooks`). What each l
   ranks        DDP: the reducer's buckets (a second copy of the gradients); FSDP: the
                draft's state divided by the ranks, plus the unit unsharded for a forward and
                backward, the full state gathered for a checkpoint, the evaluation skeleton
+  shapes       (a CPU) what oneDNN keeps for every matmul shape it meets, for good: one
+               training step's matmuls replayed at new widths where the plan is made
+               (train/run/shape_state.py), times the widths a run can train at (a multiple
+               of train.pad_multiple up to data.max_len, no more than its micro-batches)
   feature cache  (train.feature_cache) bytes on disk: (taps + 1) x hidden x target dtype
                bytes per token, for at most (rows x data.max_len) tokens
 
@@ -56,6 +60,7 @@ from models import vocab
 from models.dtype_choice import CANDIDATES
 from models.dtypes import resolve_dtype
 from train.run.meta_forward import MetaScalars, activation_bytes, meta_target, parameter_counts
+from train.run.shape_state import bytes_per_width, cached_widths, probe_widths, widths_met
 
 GIB = 1024**3
 
@@ -105,6 +110,15 @@ class MemoryPlan:
     skeleton_bytes: int = 0  # FSDP: the unsharded draft an evaluation streams in
     evaluates_early: bool = False  # an evaluation before the last step: its copies stay
     verdict_bytes: int = 0  # the dtype verdicts' timing copy of the target (models/dtype_choice.py)
+    shape_bytes_per_width: int = 0  # a CPU: what one training width's matmul shapes keep
+    matmuls_per_width: int = 0  # the distinct matmuls of one training step
+    shape_widths: int = 0  # the widths counted: the bound, or those a run met (re-planned)
+
+    @property
+    def shape_bytes(self) -> int:
+        """What the matmul shapes met keep from training on (train/run/shape_state.py)."""
+        widths = cached_widths(self.shape_widths, self.matmuls_per_width)
+        return self.shape_bytes_per_width * widths
 
     def peak_bytes(self, checkpointing: bool = False) -> int:
         """The most one rank holds: the largest of its phases (`phase_bytes`)."""
@@ -120,8 +134,10 @@ class MemoryPlan:
         bound = self.batch_size * self.max_len  # the positions `act` was counted at
         met = act if act is None or self.train_batch is None else act * math.prod(self.train_batch) // bound  # fmt: skip
         loaded = self.baseline_bytes + self.target_bytes
-        # between steps; a held-out pass before the last step leaves its taps cached
+        # between steps; a held-out pass before the last step leaves its taps cached, the
+        # steps leave oneDNN's state for their matmul shapes
         kept = loaded + self.draft_bytes + self.optimizer_bytes + self.heldout_kept_bytes
+        kept += self.shape_bytes
         copies = self.evaluation_bytes if self.evaluates_early else 0
         return {
             # the preflight forward and the draft's autocast timing: one row, a draft copy
@@ -142,7 +158,8 @@ class MemoryPlan:
         }  # fmt: skip
 
     def as_record(self) -> dict:
-        return {**asdict(self), "peak_bytes": self.peak_bytes(), "phases": self.phase_bytes()}
+        return {**asdict(self), "shape_bytes": self.shape_bytes, "peak_bytes": self.peak_bytes(),
+            "phases": self.phase_bytes()}  # fmt: skip
 
 
 def plan_memory(
@@ -159,12 +176,15 @@ def plan_memory(
     rows: int = 0,
     mixed: bool = False,
     ar_dtypes: tuple[str, ...] = CANDIDATES,
+    shape_probe: list[int] | None = None,
 ) -> MemoryPlan:
     """The memory plan of one launch (see the module docstring for each line). `decode_dtype`
     "auto": the larger draft copy (float32), and the target's copies of whichever dtype a CPU
     may measure faster (a caller on CUDA passes bfloat16, what auto gives there); `ar_dtypes`:
     the dtypes the fastest eager AR may take (on CUDA bfloat16 alone); `rows`: the training
-    rows the feature cache would hold (0: no estimate)."""
+    rows the feature cache would hold (0: no estimate); `shape_probe`: the widths at which a
+    CPU plan measures what one width's matmul shapes keep (train/run/shape_state.py; None:
+    not measured)."""
     if batch_size < 1 or max_len < 1 or ranks < 1:
         raise ValueError(
             f"batch_size, max_len and ranks must be >= 1, got {batch_size}, {max_len}, {ranks}"
@@ -201,6 +221,14 @@ def plan_memory(
         except Exception as err:  # a data-dependent step (e.g. sampled anchors) on meta
             why = f"{type(err).__name__}: {err}"
             notes.append(f"the activations could not be measured on the meta device ({why})")
+    per_width = matmuls = 0
+    if draft is not None and shape_probe:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                per_width, matmuls = bytes_per_width(draft, target, batch_size, shape_probe, dtype)
+        except Exception as err:  # a step that cannot run backward on meta tensors
+            why = f"{type(err).__name__}: {err}"
+            notes.append(f"the matmul shapes' state could not be measured ({why}); its line is 0")
     param_bytes = draft_bytes // max(1, trainable + frozen) if draft_bytes else 4
     gradients = trainable * param_bytes
     optimizer = trainable * (8 + (4 if param_bytes != 4 else 0))
@@ -217,6 +245,7 @@ def plan_memory(
         per_token * rows * max_len, batch_size, max_len, ranks, sharded, notes,
     )  # fmt: skip
     plan.no_grad_bytes = no_grad
+    plan.shape_bytes_per_width, plan.matmuls_per_width = per_width, matmuls
     if decode_dtype == "auto" or len(ar_dtypes) > 1:  # a dtype is measured: CPU, no record
         plan.verdict_bytes = timing_copy_bytes(target_params_frozen, dtype)
     return spread_over_ranks(plan, mixed)
@@ -312,20 +341,30 @@ def spread_over_ranks(plan: MemoryPlan, mixed: bool = False) -> MemoryPlan:
 def plan_for_run(
     cfg: DictConfig, target_config: PretrainedConfig, target_name: str, target_dtype: str,
     ranks: int, sharded: bool, cuda: bool, baseline: int = 0,
+    shapes: tuple[int, int] | None = None,
 ) -> MemoryPlan:  # fmt: skip
     """`plan_memory` for a run's config (train.py's overrides) on `ranks` processes; a CPU
-    run's plan adds `baseline`, the process's own bytes before the target."""
+    run's plan adds `baseline`, the process's own bytes before the target, and the state
+    its matmul shapes keep, measured here or given as `shapes` (bytes per width, matmuls
+    per width: a run's record re-planned)."""
     decode = str(cfg.decode.get("dtype", "auto"))
     data = cfg.data
     rows = sum(int(data.get(k) or 0) for k in ("num_train", "num_reference", "num_raw_chunks"))
+    pad = int(cfg.train.get("pad_multiple") or 1)
+    measure = not cuda and shapes is None
     plan = plan_memory(
         target_config, target_name, target_dtype, cfg.draft.model, str(cfg.draft.kind),
         int(cfg.train.batch_size), int(data.max_len), ranks, sharded,
         "bfloat16" if decode == "auto" and cuda else decode, rows,
         mixed=str(cfg.train.get("bf16")) == "true",  # FSDP gathers bf16 parameters
         ar_dtypes=("bfloat16",) if cuda else CANDIDATES,
+        shape_probe=probe_widths(int(data.max_len), pad) if measure else None,
     )  # fmt: skip
     plan.baseline_bytes = 0 if cuda else baseline
+    if shapes is not None and not cuda:
+        plan.shape_bytes_per_width, plan.matmuls_per_width = shapes
+    micro_batches = int(cfg.train.steps) * int(cfg.train.get("grad_accum") or 1)
+    plan.shape_widths = widths_met(int(data.max_len), pad, micro_batches)
     replay = bool((cfg.get("replay") or {}).get("enabled"))
     tc, dec = cfg.train, cfg.decode
     if not (tc.eval_at_ckpt or replay):  # no decoding: no decoding copies, no verdicts

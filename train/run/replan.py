@@ -37,10 +37,16 @@ def with_heldout_shapes(plan: MemoryPlan, shapes: list[tuple[int, int]]) -> Memo
     return plan
 
 
-def with_train_batch(plan: MemoryPlan, widest: tuple[int, int] | None) -> MemoryPlan:
+def with_train_batch(
+    plan: MemoryPlan, widest: tuple[int, int] | None, shapes_met: int | None = None
+) -> MemoryPlan:
     """`plan` (in place) with the training activations at the widest micro-batch a run
     trained ([rows, padded length], the most positions) in place of the bound
-    (train.batch_size x data.max_len); the activations scale with a batch's positions."""
+    (train.batch_size x data.max_len); the activations scale with a batch's positions. With
+    `shapes_met`, the distinct micro-batch shapes this process trained, each a set of matmul
+    shapes kept (train/run/shape_state.py), in place of the widths it could meet."""
+    if shapes_met is not None:
+        plan.shape_widths = int(shapes_met)
     if widest is None or math.prod(widest) < 1:
         return plan
     plan.train_batch = (int(widest[0]), int(widest[1]))
