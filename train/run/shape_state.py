@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import math
 import os
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.target import Target
 from train.phase_memory import give_back_freed, process_memory
+from train.run.meta_forward import MetaScalars, fused_attention
 
 # the matmuls that reach oneDNN on a CPU (linear layers decompose to these)
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -57,22 +60,15 @@ def step_matmuls(draft: torch.nn.Module, target: Target, rows: int, width: int) 
     device, where `.item()` reads 1 and attention is the fused kernel's): the target's
     forward without gradients, the draft's forward and its backward from a loss on
     every offset's logits (what a step's backward reaches)."""
-    from train.run.meta_forward import MetaScalars, fused_attention  # noqa: PLC0415 (a cycle)
-
     ids = torch.zeros(rows, width, dtype=torch.long, device=target.device)
     mask = torch.ones_like(ids)
     recorder = RecordMatmuls()
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = fused_attention
-    try:
-        with MetaScalars(), recorder:
-            with torch.no_grad():
-                t_out = target(ids, hidden_layers=tuple(draft.hidden_layers), use_cache=False)
-            out = draft(target, ids, t_out, mask, mask)
-            loss = sum(x.float().sum() for x in out.logits)
-            loss.backward()
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
+    attention = mock.patch.object(F, "scaled_dot_product_attention", fused_attention)
+    with MetaScalars(), recorder, attention:
+        with torch.no_grad():
+            t_out = target(ids, hidden_layers=tuple(draft.hidden_layers), use_cache=False)
+        out = draft(target, ids, t_out, mask, mask)
+        sum(x.float().sum() for x in out.logits).backward()
     for p in draft.parameters():
         p.grad = None
     return list(recorder.calls)
