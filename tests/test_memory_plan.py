@@ -232,6 +232,7 @@ def test_a_run_records_each_phase_beside_the_plan(tmp_path, monkeypatch):
     assert length % 8 == 0 and all(width % 8 == 0 for _, width in plan["heldout_shapes"])
     # the matmul shapes' state: measured where the plan was made, for the shapes trained
     assert plan["shape_widths"] == len(trained) > 1 and plan["matmuls_per_width"] > 0
+    assert not any("matmul shapes" in note for note in plan["notes"]), plan["notes"]
     assert plan["shape_bytes"] == plan["shape_bytes_per_width"] * len(trained)
     # and with the copies its evaluation made, in the dtypes it chose, no graph compiled
     assert summary["final_eval"]["decode_path"] == "eager"

@@ -15,7 +15,7 @@ from tests.test_memory_plan import ROOT
 from train.run.memory_plan import plan_for_run
 from train.run.meta_forward import MetaScalars, meta_target
 from train.run.replan import with_train_batch
-from train.run.shape_state import cached_widths, step_matmuls, widths_met
+from train.run.shape_state import cached_widths, probe_widths, step_matmuls, widths_met
 
 
 def compose_train(*overrides: str):
@@ -39,13 +39,16 @@ def test_the_meta_step_records_the_matmuls_real_modules_run(kind):
     meta = meta_target(config, torch.float32, name)
     with torch.device("meta"), MetaScalars():
         meta_draft = draft_on(cfg, meta)
-    assert set(step_matmuls(meta_draft, meta, 2, 24)) == set(real)
+    on_target, on_draft = step_matmuls(meta_draft, meta, 2, 24)
+    assert (set(on_target), set(on_draft)) == (set(real[0]), set(real[1]))
+    assert on_target and on_draft
     trainable = [m for m in meta_draft.modules() if isinstance(m, torch.nn.Linear)
                  and m.weight.requires_grad]  # fmt: skip
+    assert trainable
     # the backward is recorded: each trainable linear's weight gradient, [out, in]
     for linear in trainable:
         assert any(a[0][0] == linear.out_features and b[0][-1] == linear.in_features
-                   for _, (a, b, *_) in real), linear  # fmt: skip
+                   for _, (a, b, *_) in on_draft), linear  # fmt: skip
     assert {p.grad for p in meta_draft.parameters()} == {None}  # nothing left on the draft
 
 
@@ -72,8 +75,25 @@ def test_a_plan_counts_the_shapes_from_training_on(monkeypatch):
     assert with_train_batch(copy.copy(counted), (4, 512), 7).shape_bytes == 7 * 2**20
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "100")  # 5 widths of 20 matmuls
     assert counted.shape_bytes == 5 * 2**20 and cached_widths(3, 20) == 3
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")  # the caches off
+    assert counted.shape_bytes == 0
     assert widths_met(100, 16) == 7 and widths_met(100, 16, micro_batches=4) == 4
     assert plan(cuda=True).shape_bytes == 0  # oneDNN's caches are the CPU's
+
+
+def test_the_probes_are_widths_a_run_pads_to_of_at_least_16():
+    """Three widths a run meets (multiples of train.pad_multiple up to data.max_len), none
+    under MIN_PROBE (a few rows may take a matrix-vector kernel); fewer where fewer exist,
+    and a plan with fewer than two notes that it did not measure."""
+    assert probe_widths(512, 16) == [16, 32, 48]
+    assert probe_widths(512, 1) == [16, 17, 18]
+    assert probe_widths(512, 40) == [40, 80, 120]
+    assert probe_widths(20, 16) == [16] and probe_widths(8, 16) == []
+    cfg = compose_train("target=tiny_random", "draft=eagle", "data.max_len=24", "train.pad_multiple=16")  # fmt: skip
+    config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
+    plan = plan_for_run(cfg, config, name, "float32", 1, False, False)
+    assert plan.shape_bytes_per_width == 0
+    assert any("one warms up, at least one more is measured" in note for note in plan.notes)
 
 
 def test_a_target_too_large_to_replay_is_noted_not_copied():

@@ -10,6 +10,7 @@ from dataclasses import asdict
 import torch
 
 from train.run.memory_plan import FSDP_LAUNCH, GIB, MemoryPlan, spread_over_ranks
+from train.run.shape_state import cached_widths
 
 
 def device_memory(device: torch.device, processes_here: int = 1) -> tuple[int, str] | None:
@@ -100,7 +101,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  held-out proxy    {gib(plan.heldout_bytes):>12}  (train.heldout_proxy: cached taps, a batch's logits, a forward; the taps, {gib(plan.heldout_kept_bytes)}, kept after a pass before the last step)",  # fmt: skip
         f"  regeneration      {gib(plan.regeneration_bytes):>12}  (answering the training prompts: K/V slots, a prefill, a copy in data.regen_dtype)",  # fmt: skip
         f"  held-out answers  {gib(plan.heldout_regeneration_bytes):>12}  (train.heldout_proxy: the held-out prompts answered once, by the target in its dtype)",  # fmt: skip
-        f"  matmul shapes     {gib(plan.shape_bytes):>12}  (a CPU: oneDNN's state per shape, {plan.shape_bytes_per_width / 2**20:.1f} MiB a width measured x {plan.shape_widths} widths)",  # fmt: skip
+        f"  matmul shapes     {gib(plan.shape_bytes):>12}  (a CPU: oneDNN's state per shape, {plan.shape_bytes_per_width / 2**20:.1f} MiB a width measured x {cached_widths(plan.shape_widths, plan.matmuls_per_width)} widths)",  # fmt: skip
         f"  DDP buckets       {gib(plan.bucket_bytes):>12}  (a second copy of the gradients)",
         f"  FSDP unsharded    {gib(plan.gathered_bytes):>12}  (a forward / backward's gathered unit; the checkpoint gathers {gib(plan.checkpoint_bytes)})",  # fmt: skip
         f"  peak              {gib(plan.peak_bytes()):>12}  (with checkpointing: {gib(plan.peak_bytes(True))})",  # fmt: skip

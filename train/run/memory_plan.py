@@ -177,6 +177,7 @@ def plan_memory(
     mixed: bool = False,
     ar_dtypes: tuple[str, ...] = CANDIDATES,
     shape_probe: list[int] | None = None,
+    draft_autocast: bool = False,
 ) -> MemoryPlan:
     """The memory plan of one launch (see the module docstring for each line). `decode_dtype`
     "auto": the larger draft copy (float32), and the target's copies of whichever dtype a CPU
@@ -184,7 +185,7 @@ def plan_memory(
     the dtypes the fastest eager AR may take (on CUDA bfloat16 alone); `rows`: the training
     rows the feature cache would hold (0: no estimate); `shape_probe`: the widths at which a
     CPU plan measures what one width's matmul shapes keep (train/run/shape_state.py; None:
-    not measured)."""
+    not measured), the draft's in bf16 with `draft_autocast`, else in float32."""
     if batch_size < 1 or max_len < 1 or ranks < 1:
         raise ValueError(
             f"batch_size, max_len and ranks must be >= 1, got {batch_size}, {max_len}, {ranks}"
@@ -225,7 +226,10 @@ def plan_memory(
     if draft is not None and shape_probe:
         try:
             with torch.random.fork_rng(devices=[]):
-                per_width, matmuls = bytes_per_width(draft, target, batch_size, shape_probe, dtype)
+                draft_dtype = torch.bfloat16 if draft_autocast else torch.float32
+                per_width, matmuls = bytes_per_width(
+                    draft, target, batch_size, shape_probe, dtype, draft_dtype
+                )
         except Exception as err:  # a step that cannot run backward on meta tensors
             why = f"{type(err).__name__}: {err}"
             notes.append(f"the matmul shapes' state could not be measured ({why}); its line is 0")
@@ -359,6 +363,8 @@ def plan_for_run(
         mixed=str(cfg.train.get("bf16")) == "true",  # FSDP gathers bf16 parameters
         ar_dtypes=("bfloat16",) if cuda else CANDIDATES,
         shape_probe=probe_widths(int(data.max_len), pad) if measure else None,
+        # train.bf16 auto: the larger state, bf16's (a CPU's choice is made after the plan)
+        draft_autocast=str(cfg.train.get("bf16")).lower() in ("true", "auto"),
     )  # fmt: skip
     plan.baseline_bytes = 0 if cuda else baseline
     if shapes is not None and not cuda:
