@@ -7,20 +7,14 @@ import copy
 import hydra.utils
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from models.target_loaders import build_tiny_random, target_config
-from tests.test_memory_plan import ROOT
+from tests.test_memory_plan import ROOT, compose_train
 from train.run.memory_plan import plan_for_run
 from train.run.meta_forward import MetaScalars, meta_target
 from train.run.replan import with_train_batch
 from train.run.shape_state import cached_widths, probe_widths, step_matmuls, widths_met
-
-
-def compose_train(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=[*overrides, "logger=none"])
 
 
 def draft_on(cfg, target):
