@@ -136,7 +136,10 @@ class CompiledTarget:
         self.cache = StaticKVCache(target.num_layers, batch_size, max_len, target.device)
         if freeze is None:
             freeze = target.device.type == "cpu"
-        self.step = self._step if self.mode is None else Compiled(self._step, self.mode, freeze)
+        self.step = self._step
+        if self.mode is not None:  # named for its compile seconds (STATS.by_graph)
+            name = f"{target.num_layers}-layer target {str(target.dtype).removeprefix('torch.')}"
+            self.step = Compiled(self._step, self.mode, freeze, name)
 
     def __getattr__(self, name: str):  # device, dtype, vocab_size, head_logits, model, ...
         if name == "target":  # not set yet (copy, pickle): no recursion

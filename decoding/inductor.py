@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, partial
 from types import CodeType, FunctionType, MethodType, ModuleType
 
@@ -36,6 +36,8 @@ class CompileStats:
     graphs: int = 0  # graphs compiled so far (a recompile adds one)
     cudagraphs: int = 0  # CUDA graphs recorded so far (a graph's second call records it)
     seconds: float = 0.0  # wall time of the calls that compiled or recorded, those runs included
+    # those seconds per graph: "<Compiled name> [input shape]" -> seconds (a recompile adds)
+    by_graph: dict[str, float] = field(default_factory=dict)
 
 
 STATS = CompileStats()
@@ -217,9 +219,10 @@ def _list_single_templates_unrendered() -> None:
 class Compiled:
     """`fn` under torch.compile: fixed shapes (one graph per input shape), full graphs (a
     graph break raises). `freeze`: the weights `fn` reads become constants of the graph
-    (inductor freezing; only for weights that never change, the target's)."""
+    (inductor freezing; only for weights that never change, the target's). `name` labels its
+    graphs' compile seconds in STATS.by_graph (default: fn's qualified name)."""
 
-    def __init__(self, fn: Callable, mode: str, freeze: bool = False):
+    def __init__(self, fn: Callable, mode: str, freeze: bool = False, name: str | None = None):
         if mode not in MODES or mode == "auto":
             raise ValueError(f"compile mode {mode!r}; resolve it first (resolve_mode)")
         # Drafters compile one step per module and width (MTP: one module per depth); the
@@ -228,6 +231,7 @@ class Compiled:
         dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         counts_recordings()
         self.freeze = freeze and mode != "aot_eager"
+        self.name = name or getattr(fn, "__qualname__", "graph")
         self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
         # dynamo keeps a function's graphs on its code object, which every instance of a
         # method shares: a copy of the code keeps this one's apart, for `release`
@@ -250,7 +254,11 @@ class Compiled:
         if self.cudagraphs:  # CUDA-graph outputs live in memory the next replay reuses
             out = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, out)
         if (STATS.graphs, STATS.cudagraphs) != before:
-            STATS.seconds += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            STATS.seconds += took
+            shape = next((list(a.shape) for a in args if isinstance(a, Tensor)), [])
+            label = f"{self.name} {shape}"
+            STATS.by_graph[label] = STATS.by_graph.get(label, 0.0) + took
             self.modules += UNCLAIMED  # what inductor loaded for the graphs this call compiled
             UNCLAIMED.clear()
         return out

@@ -123,6 +123,25 @@ def test_compiled_equals_eager_with_inductor(target):
         assert record(generate(compiled, ids, draft, k=4, max_new_tokens=24)) == record(eager)
 
 
+def test_compile_seconds_are_kept_per_graph(target):
+    """STATS.by_graph: each width's graph under its own label (the Compiled's name and the
+    input shape), summing to what STATS.seconds grew by; a call that compiles nothing adds
+    nothing."""
+    seconds, by_graph = STATS.seconds, dict(STATS.by_graph)
+    compiled = CompiledTarget(target, max_len=64, widths=(1, 3), mode="aot_eager")
+    compiled.warmup()
+    name = f"{target.num_layers}-layer target float32"
+    grown = {k: v - by_graph.get(k, 0.0) for k, v in STATS.by_graph.items() if v > by_graph.get(k, 0.0)}  # fmt: skip
+    assert set(grown) == {f"{name} [1, 1]", f"{name} [1, 3]"}, grown
+    assert sum(grown.values()) == pytest.approx(STATS.seconds - seconds)
+    before = dict(STATS.by_graph)
+    generate(compiled, prompts(1)[0], None, max_new_tokens=4)  # the width-1 graph, compiled
+    assert STATS.by_graph == before
+    step = Compiled(lambda x: x * 2, "aot_eager")
+    step(torch.ones(2, 5))
+    assert STATS.by_graph.get("test_compile_seconds_are_kept_per_graph.<locals>.<lambda> [2, 5]", 0) > 0  # fmt: skip
+
+
 def test_no_recompile_across_rounds_of_varying_accept_counts(target):
     """After the warm-up prompt, 20+ rounds with different accept counts, drafts cut short by
     the token budget, n-gram proposals of any length and AR steps compile no new graph:

@@ -20,10 +20,15 @@ def harness():
 
 
 @pytest.mark.slow
-def test_killed_runs_and_exports_lose_nothing(tmp_path):
-    result = harness().main(["--runs", "2", "--repeat", "1", "--steps", "40", "--workdir", str(tmp_path)])  # fmt: skip
+@pytest.mark.parametrize("kind", ["regen", "tokenized"])  # two items: two workers share them
+def test_killed_runs_and_exports_lose_nothing(tmp_path, kind):
+    argv = ["--runs", "1", "--repeat", "1", "--steps", "40", "--kinds", kind]
+    result = harness().main([*argv, "--workdir", str(tmp_path)])
     assert result["lost_what"] == [] and result["lost"] == 0
-    assert result["survived"] == result["injected"] >= 8  # of 2 runs x 6 phases (+ 2 exports)
+    assert result["survived"] == result["injected"] >= 4  # of 1 run x 6 phases (+ 1 export)
+    assert set(result["reference_wall_s"]) == {kind}  # the other kind was never run
+    other = "data: tokenize" if kind == "regen" else "data: regenerate answers"
+    assert all(k["target"] != other for k in result["kills"])
     for where in ("data: read the source", "feature pass", "training", "evaluation and records"):
         assert result["phases"].get(where), (where, result["phases"])  # every phase was hit
 

@@ -76,14 +76,18 @@ def test_a_plan_counts_the_shapes_from_training_on(monkeypatch):
 
 
 def test_the_probes_are_widths_a_run_pads_to_of_at_least_16():
-    """Three widths a run meets (multiples of train.pad_multiple up to data.max_len), none
-    under MIN_PROBE (a few rows may take a matrix-vector kernel); fewer where fewer exist,
-    and a plan with fewer than two notes that it did not measure."""
+    """Three widths a run meets (multiples of train.pad_multiple, data.max_len rounded up to
+    one), none under MIN_PROBE (a few rows may take a matrix-vector kernel) where the run
+    has wider ones; fewer where fewer exist, and a plan with fewer than two notes that it
+    did not measure."""
     assert probe_widths(512, 16) == [16, 32, 48]
     assert probe_widths(512, 1) == [16, 17, 18]
     assert probe_widths(512, 40) == [40, 80, 120]
-    assert probe_widths(20, 16) == [16] and probe_widths(8, 16) == []
-    cfg = compose_train("target=tiny_random", "draft=eagle", "data.max_len=24", "train.pad_multiple=16")  # fmt: skip
+    assert probe_widths(20, 16) == [16, 32]  # a 20-token row is padded to 32
+    # every width under MIN_PROBE: the run's widest, never none (its matmuls keep state too)
+    assert probe_widths(8, 16) == [16] and probe_widths(8, 1) == [6, 7, 8]
+    assert probe_widths(12, 4) == [4, 8, 12]
+    cfg = compose_train("target=tiny_random", "draft=eagle", "data.max_len=16", "train.pad_multiple=16")  # fmt: skip
     config, name = target_config(OmegaConf.to_container(cfg.target, resolve=True))
     plan = plan_for_run(cfg, config, name, "float32", 1, False, False)
     assert plan.shape_bytes_per_width == 0

@@ -89,3 +89,10 @@ def test_the_stage_line_of_training_and_evaluation():
     assert stage_line(summary | {"wall_s": None}, {}, None) == (
         "[draftlab] training: 358 steps in 841 s"
     )
+    compiled = {"eval_s": 660.4, "compile_s": 156.6, "compiled_graphs": 6}
+    assert stage_line(summary, compiled, None) == (
+        "[draftlab] training: 358 steps in 841 s; evaluation 660 s (compiling 157 s, 6 graphs); "
+        "1515 s from the first step to the end"
+    )
+    # a checkpoint whose graphs were compiled by an earlier one: nothing to say
+    assert "compiling" not in stage_line(summary, compiled | {"compiled_graphs": 0}, None)

@@ -17,7 +17,8 @@ top-1 agreement for greedy; train/core/step_stats.py), so a train/decode mismatc
 tau ~ 1) shows at once, and at the headline sampling the out-of-domain prompts' tau, lookup
 share and head-only tau (`ood/<tag>/...`, `ood/tau_ratio`). `compile_s`,
 `compiled_graphs` and `compiled_cudagraphs` say what compiling cost at this checkpoint (0
-once a run's graphs exist).
+once a run's graphs exist), `compile_s_graphs` those seconds per graph ("30-layer target
+float32 [1, 4]": the graph's name and input shape; the dtype proxies are 2-layer targets).
 
 With several processes (`ranks`, train/parallel/ranks.py) rank 0 plans and every rank decodes in its
 verdicts: rank r decodes prompts r, r + world, ... (prompt i seeded as in one process), and
@@ -68,6 +69,7 @@ def evaluate_checkpoint(
         )
     # What compiling costs this checkpoint, the dtype choice's timing of a compiled verify included
     graphs, recorded, seconds = STATS.graphs, STATS.cudagraphs, STATS.seconds
+    by_graph = dict(STATS.by_graph)
     plan = plan_checkpoint(target, draft, eval_prompts, settings, target_eval, ranks)
     mine = ranks.mine(len(plan.prompts))  # prompts rank, rank + world, ...
     result: dict = {"k": k, "num_prompts": len(plan.prompts), "ood_num_prompts": len(plan.ood),
@@ -113,6 +115,9 @@ def evaluate_checkpoint(
     if plan.copies.compiled is not None:
         result["compile_s"] = STATS.seconds - seconds  # 0 once a run's graphs exist
         result["compiled_graphs"] = STATS.graphs - graphs
+        result["compile_s_graphs"] = {label: took - by_graph.get(label, 0.0)  # graph by graph
+                                      for label, took in STATS.by_graph.items()
+                                      if took > by_graph.get(label, 0.0)}  # fmt: skip
         # CUDA-graph recordings; None where this torch does not announce them
         result["compiled_cudagraphs"] = STATS.cudagraphs - recorded if counts_recordings() else None
     plan.release()

@@ -205,13 +205,16 @@ def write_summary(cfg: DictConfig, run_dir: Path, summary: dict, records: RunRec
 
 def stage_line(summary: dict, last_eval: dict, heldout: dict | None) -> str:
     """'[draftlab] training: 358 steps in 841 s (held-out proxy sim τ 1.551 greedy);
-    evaluation 629 s; 1515 s from the first step to the end'."""
+    evaluation 629 s (compiling 123 s, 6 graphs); 1515 s from the first step to the end'."""
     line = f"[draftlab] training: {summary['steps']} steps in {summary['train_s']:.0f} s"
     sim = (heldout or {}).get("heldout/sim_tau_greedy")
     if sim is not None:
         line += f" (held-out proxy sim τ {sim:.3f} greedy)"
     if last_eval.get("eval_s") is not None:
         line += f"; evaluation {last_eval['eval_s']:.0f} s"
+        graphs = last_eval.get("compiled_graphs")
+        if graphs:  # this checkpoint compiled: what that took
+            line += f" (compiling {last_eval['compile_s']:.0f} s, {graphs} graphs)"
     if summary.get("wall_s") is not None:
         line += f"; {summary['wall_s']:.0f} s from the first step to the end"
     return line

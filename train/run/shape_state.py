@@ -165,9 +165,12 @@ def settled_rss() -> int:
 
 def probe_widths(max_len: int, pad_multiple: int, count: int = 3) -> list[int]:
     """The `count` smallest widths of at least MIN_PROBE a run pads to (multiples of
-    `pad_multiple` up to `max_len`; fewer where fewer exist): the replay's cost grows with
-    the width, a cached primitive's size hardly does above it (docs/memory.md); below it a
-    matrix of a few rows may take another kernel (a matrix-vector one)."""
+    `pad_multiple`, the longest row of `max_len` rounded up: train/data/prepare.py collate;
+    fewer where fewer exist): the replay's cost grows with the width, a cached primitive's
+    size hardly does above it (docs/memory.md); below it a matrix of a few rows may take
+    another kernel (a matrix-vector one). A run whose every width is narrower (a short
+    `data.max_len`) is probed at its `count` widest: the kernels it does meet."""
     step = max(1, pad_multiple)
-    grid = [w for w in range(step, max_len + 1, step) if w >= MIN_PROBE]
-    return grid[:count]
+    grid = list(range(step, -(-max_len // step) * step + 1, step))  # what collate pads to
+    wide = [w for w in grid if w >= MIN_PROBE]
+    return wide[:count] if wide else grid[-count:]
