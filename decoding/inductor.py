@@ -39,6 +39,11 @@ class CompileStats:
     # those seconds per graph: "<Compiled name> [input shape]" -> seconds (a recompile adds)
     by_graph: dict[str, float] = field(default_factory=dict)
 
+    def graphs_since(self, before: dict[str, float]) -> dict[str, float]:
+        """The seconds each graph added since `before` (a copy of `by_graph`)."""
+        return {label: took - before.get(label, 0.0) for label, took in self.by_graph.items()
+                if took > before.get(label, 0.0)}  # fmt: skip
+
 
 STATS = CompileStats()
 # modules inductor loaded for a compile (the backend's), until its `Compiled` takes them

@@ -115,9 +115,7 @@ def evaluate_checkpoint(
     if plan.copies.compiled is not None:
         result["compile_s"] = STATS.seconds - seconds  # 0 once a run's graphs exist
         result["compiled_graphs"] = STATS.graphs - graphs
-        result["compile_s_graphs"] = {label: took - by_graph.get(label, 0.0)  # graph by graph
-                                      for label, took in STATS.by_graph.items()
-                                      if took > by_graph.get(label, 0.0)}  # fmt: skip
+        result["compile_s_graphs"] = STATS.graphs_since(by_graph)
         # CUDA-graph recordings; None where this torch does not announce them
         result["compiled_cudagraphs"] = STATS.cudagraphs - recorded if counts_recordings() else None
     plan.release()
