@@ -36,7 +36,8 @@ class CompileStats:
     graphs: int = 0  # graphs compiled so far (a recompile adds one)
     cudagraphs: int = 0  # CUDA graphs recorded so far (a graph's second call records it)
     seconds: float = 0.0  # wall time of the calls that compiled or recorded, those runs included
-    # those seconds per graph: "<Compiled name> [input shape]" -> seconds (a recompile adds)
+    # those seconds per graph: `graph_label` ("<Compiled name> [input shape] dtype") -> seconds
+    # (a recompile adds)
     by_graph: dict[str, float] = field(default_factory=dict)
 
     def graphs_since(self, before: dict[str, float]) -> dict[str, float]:
@@ -261,8 +262,7 @@ class Compiled:
         if (STATS.graphs, STATS.cudagraphs) != before:
             took = time.perf_counter() - t0
             STATS.seconds += took
-            shape = next((list(a.shape) for a in args if isinstance(a, Tensor)), [])
-            label = f"{self.name} {shape}"
+            label = graph_label(self.name, args)
             STATS.by_graph[label] = STATS.by_graph.get(label, 0.0) + took
             self.modules += UNCLAIMED  # what inductor loaded for the graphs this call compiled
             UNCLAIMED.clear()
@@ -290,6 +290,18 @@ class Compiled:
     def warm_calls(self) -> int:
         """Calls per shape that leave nothing to compile or record: 2 with CUDA graphs."""
         return 2 if self.cudagraphs else 1
+
+
+def graph_label(name: str, args: tuple) -> str:
+    """`name`, the first tensor's shape and, unless `name` says it, the first floating
+    tensor's dtype: "EagleDrafter._layer [1, 4, 576] bfloat16" (one drafter compiled in two
+    dtypes, as the compiled draft verdict does, keeps two labels)."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    label = f"{name} {list(tensors[0].shape) if tensors else []}"
+    dtype = next(
+        (str(t.dtype).removeprefix("torch.") for t in tensors if t.is_floating_point()), ""
+    )
+    return label if dtype in name else f"{label} {dtype}"
 
 
 def with_own_code(fn: Callable) -> tuple[Callable, CodeType | None]:

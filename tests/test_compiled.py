@@ -124,9 +124,10 @@ def test_compiled_equals_eager_with_inductor(target):
 
 
 def test_compile_seconds_are_kept_per_graph(target):
-    """STATS.by_graph: each width's graph under its own label (the Compiled's name and the
-    input shape), summing to what STATS.seconds grew by; a call that compiles nothing adds
-    nothing."""
+    """STATS.by_graph: each width's graph under its own label (the Compiled's name, the
+    input shape and, unless the name says it, the dtype: one function compiled in two dtypes
+    keeps two labels), summing to what STATS.seconds grew by; a call that compiles nothing
+    adds nothing."""
     seconds, by_graph = STATS.seconds, dict(STATS.by_graph)
     compiled = CompiledTarget(target, max_len=64, widths=(1, 3), mode="aot_eager")
     compiled.warmup()
@@ -138,8 +139,11 @@ def test_compile_seconds_are_kept_per_graph(target):
     generate(compiled, prompts(1)[0], None, max_new_tokens=4)  # the width-1 graph, compiled
     assert STATS.by_graph == before
     step = Compiled(lambda x: x * 2, "aot_eager")
-    step(torch.ones(2, 5))
-    assert STATS.by_graph.get("test_compile_seconds_are_kept_per_graph.<locals>.<lambda> [2, 5]", 0) > 0  # fmt: skip
+    before = dict(STATS.by_graph)
+    for dtype in (torch.float32, torch.bfloat16):
+        step(torch.ones(2, 5, dtype=dtype))
+    lambda_ = "test_compile_seconds_are_kept_per_graph.<locals>.<lambda> [2, 5]"
+    assert set(STATS.graphs_since(before)) == {f"{lambda_} float32", f"{lambda_} bfloat16"}
 
 
 def test_no_recompile_across_rounds_of_varying_accept_counts(target):

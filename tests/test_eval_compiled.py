@@ -313,3 +313,51 @@ def test_compile_cache_is_kept_under_the_cache_root_unless_the_user_set_one(tmp_
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert use_compile_cache(str(tmp_path / "c")) == str(tmp_path / "mine")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("faster", ["float32", "bfloat16"])
+def test_compiled_draft_dtype_is_timed_on_the_compiled_drafter(
+    target, faster, monkeypatch, tmp_path
+):
+    """decode.draft_dtype=auto on the compiled path: both dtypes' drafters are timed beside
+    the compiled target (their draft seconds per round, faked here so that `faster` wins),
+    the faster one's drafter is the speculative decode's, still lossless, and the verdict is
+    recorded apart from the eager one (`draft_compiled`); a later evaluation on the machine
+    reads it and times nothing."""
+    timed = []  # (compiled target?, the drafter's dtype) of every timing decode
+    real_generate = train.eval.compiled.generate
+
+    def fake_draft_seconds(spec_target, prompt, drafter, **kwargs):
+        result = real_generate(spec_target, prompt, drafter, **kwargs)
+        dtype = str(next(drafter.model.parameters()).dtype).removeprefix("torch.")
+        timed.append((isinstance(spec_target, CompiledTarget), dtype))
+        result.draft_s = len(result.round_tokens) * (0.01 if dtype == faster else 0.02)
+        return result
+
+    monkeypatch.setattr(train.eval.compiled, "generate", fake_draft_seconds)
+    calls = recorded_decodes(monkeypatch)
+    drafters = []  # the drafter of every speculative decode the evaluation timed
+    real_metrics_generate = decoding.metrics.generate
+
+    def keep_drafter(decode_target, prompt, drafter, **kwargs):
+        drafters.append(drafter)
+        return real_metrics_generate(decode_target, prompt, drafter, **kwargs)
+
+    monkeypatch.setattr(decoding.metrics, "generate", keep_drafter)
+    draft = draft_lm.from_target(target, num_layers=2, init="random")
+    settings = auto_settings(tmp_path, "only", draft_dtype="auto")
+    result, copies = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
+    assert len(timed) == 2 * 4  # both dtypes, a warm-up and 3 repeats each, alternating
+    assert {path for path, _ in timed} == {True}  # timed where it decodes: compiled
+    assert [dtype for _, dtype in timed[:2]] in (["float32", "bfloat16"], ["bfloat16", "float32"])
+    record = result["dtypes"]["draft_compiled"]
+    assert (record["dtype"], record["source"]) == (faster, "measured")
+    assert record["seconds"][faster] == pytest.approx(0.01)
+    assert str(next(copies.draft.parameters()).dtype) == f"torch.{faster}"
+    spec = [d for d in drafters if d is not None]
+    assert spec and all(d is copies.drafter for d in spec)  # the kept, faster drafter decodes
+    assert result["greedy/greedy_match_rate"] == 1.0 and calls  # lossless in either dtype
+    timed.clear()
+    again, _ = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
+    assert timed == [] and again["dtypes"]["draft_compiled"]["source"] == "cached"
+    assert again["dtypes"]["draft_compiled"]["dtype"] == faster

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -16,11 +17,14 @@ from decoding.compiled import CompiledTarget
 from decoding.drafter import Drafter
 from decoding.drafters import make_drafter
 from decoding.drafters.lookup import with_lookup
+from decoding.spec import generate
 from decoding.timing import forward_seconds
 from models import dtype_choice
-from models.dtype_choice import DtypeChoice, choose_measured
+from models.dtype_choice import DtypeChoice, choose_dtype, choose_measured
+from models.dtypes import draft_decode_copy, resolve_dtype
 from models.target import Target
 from train.eval.settings import EvalSettings
+from train.parallel.ranks import Ranks
 
 
 @dataclass
@@ -95,16 +99,87 @@ def compiled_decoding(
             draft_widths=levels,  # an EAGLE-2 tree level's width, compiled before timing
         )  # fmt: skip
         copies.compiled.warmup()
-        lookup = settings.lookup_min_match
         copies.draft = draft_eval
-        drafter = make_drafter(draft_eval, copies.compiled)
-        copies.spec_target = getattr(drafter, "verify_target", copies.compiled)
-        copies.drafter = with_lookup(drafter, lookup)
+        copies.drafter, copies.spec_target = drafter_on(draft_eval, copies.compiled, settings)
     else:
         copies.draft.load_state_dict(draft_eval.state_dict())
         if adapted:
             copies.compiled.model.load_state_dict(decode_target.model.state_dict())
     return copies.compiled, copies.spec_target, copies.drafter
+
+
+def drafter_on(
+    draft_copy: torch.nn.Module, compiled: CompiledTarget, settings: EvalSettings
+) -> tuple[Drafter, CompiledTarget]:
+    """The compiled drafter of `draft_copy` (its steps compiled by its warm-up) behind prompt
+    lookup, and what its speculative decode verifies with (`verify_target`, or `compiled`)."""
+    drafter = make_drafter(draft_copy, compiled)
+    return with_lookup(drafter, settings.lookup_min_match), getattr(
+        drafter, "verify_target", compiled
+    )
+
+
+def compiled_draft_choice(
+    copies: DecodeCopies, draft: torch.nn.Module, settings: EvalSettings, prompt: torch.Tensor,
+    ranks: Ranks, new_tokens: int = 32, repeats: int = 3,
+) -> None:  # fmt: skip
+    """decode.draft_dtype=auto where the speculative decode runs compiled: the dtype whose
+    compiled drafter drafts a round fastest beside the compiled target (`copies.compiled`,
+    built with the eager verdict's draft copy), timed where it decodes. The eager verdict
+    (train/eval/plan.py: draft_dtype_choice) does not predict it: on an AMD EPYC with AVX2
+    only it chose float32 in one process (168.5 against 230.0 ms) where the compiled drafter
+    drafted a round in 18.7 ms in float32 and 14.0 in bf16 (docs/fastpath.md). Both drafters
+    decode `prompt` greedily without lookup, one after the other `repeats` times after a
+    warm-up; each dtype's seconds: the median of its draft seconds per round (the verify is
+    the same forward for both). Measured by rank 0 once per machine (models/dtype_choice.py,
+    use "draft_compiled"), every rank follows; recorded in `copies.dtypes`; where another
+    dtype wins, its drafter replaces the kept one (`copies.draft`, `drafter`, `spec_target`).
+    A draft that adapts the target or shares its layers keeps the target's dtype."""
+    current = next(copies.draft.parameters()).dtype
+    new_tokens = min(new_tokens, settings.max_new_tokens)  # what the compiled cache holds
+    setting = settings.draft_dtype or str(copies.target.dtype).removeprefix("torch.")
+    if setting == "auto" and draft.decoding_target(copies.target) is not copies.target:
+        setting = str(copies.target.dtype).removeprefix("torch.")
+    built = {current: (copies.draft, copies.drafter, copies.spec_target)}
+
+    def build(dtype: torch.dtype) -> tuple:
+        if dtype not in built:
+            copy_ = draft_decode_copy(draft, dtype)
+            built[dtype] = (copy_, *drafter_on(copy_, copies.compiled, settings))
+        return built[dtype]
+
+    record = None
+    if ranks.main:
+        seconds: dict[torch.dtype, float] = {}
+
+        def measure(dtype: torch.dtype) -> float:
+            if not seconds:  # every candidate at once, alternating, so drift hits them alike
+                candidates = [resolve_dtype(name) for name in dtype_choice.CANDIDATES]
+                per_round = {c: [] for c in candidates}
+                for rep in range(repeats + 1):  # the first is the warm-up
+                    for c in candidates:
+                        _, drafter, spec_target = build(c)
+                        base = getattr(drafter, "base", drafter)  # without prompt lookup
+                        result = generate(spec_target, prompt, base, k=settings.k,
+                                          max_new_tokens=new_tokens, eos_token_ids=[],
+                                          tree=settings.tree)  # fmt: skip
+                        if rep:
+                            per_round[c].append(result.draft_s / max(1, len(result.round_tokens)))
+                seconds.update({c: statistics.median(t) for c, t in per_round.items()})
+            return seconds[dtype]
+
+        shapes = {"target": copies.target.name, "target_dtype": str(copies.target.dtype),
+                  "draft": draft.kind, "params": sum(p.numel() for p in draft.parameters()),
+                  "k": settings.k, "tree": repr(settings.tree), "prompt": prompt.shape[1],
+                  "new": new_tokens, "max_len": copies.compiled.max_len,
+                  "mode": copies.compiled.mode}  # fmt: skip
+        choice = choose_dtype("draft_compiled", setting, shapes, measure,
+                              copies.target.device, settings.cache_dir)  # fmt: skip
+        if choice.source != "explicit":
+            print(f"dtype {choice.describe()}", flush=True)
+        record = choice.as_record()
+    copies.dtypes["draft_compiled"] = record = ranks.broadcast(record)
+    copies.draft, copies.drafter, copies.spec_target = build(resolve_dtype(record["dtype"]))
 
 
 def adapts_target(decode_target: Target, target: Target) -> bool:

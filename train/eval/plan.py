@@ -10,7 +10,9 @@ records each (summary.json `dtypes`):
    evaluation on a CPU, by a compiled copy of the first layers, and with auto where `only`
    recorded it, since the eager verdict does not predict the compiled one), and in the dtype
    of the machine's fastest eager AR when that is another. The draft copy's dtype
-   (`decode.draft_dtype`): the faster per verify round beside that target. Verdicts are
+   (`decode.draft_dtype`): the faster per verify round beside that target; where the decode
+   runs compiled, chosen again on the compiled drafter beside the compiled target
+   (train/eval/compiled.py: `compiled_draft_choice`, recorded as `draft_compiled`). Verdicts are
    measured once per machine and cached (models/dtype_choice.py); the copies keep float32
    rotary frequencies (models.dtypes.cast_keep_rotary: a bare `.to(bfloat16)` rounds
    inv_freq and decodes another target than the one trained on).
@@ -64,6 +66,7 @@ from train.eval.compiled import (
     compile_choice,
     compile_setting,
     compiled_decoding,
+    compiled_draft_choice,
     compiled_verify_timed,
     describe_compile,
 )
@@ -170,6 +173,10 @@ def plan_checkpoint(
         compiled_target, spec_target, compiled_drafter = compiled_decoding(
             target_eval, draft_eval, decode_target, drafter, settings, max_len
         )  # fmt: skip
+        if "draft_compiled" not in target_eval.dtypes:  # a run's first compiled evaluation
+            with phase("evaluation: compile"):  # the other dtype's drafter graphs, timed
+                compiled_draft_choice(target_eval, draft, settings, prompts[0], ranks)
+            compiled_drafter, spec_target = target_eval.drafter, target_eval.spec_target
         spec = Pass("spec", spec_target, compiled_drafter)
         passes = [Pass("ar_eager", eager_ar), Pass("ar", compiled_target)]
     else:

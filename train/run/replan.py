@@ -79,9 +79,14 @@ def with_decode_dtypes(
 
 def with_recorded_dtypes(plan: MemoryPlan, records: dict, compiled: bool) -> MemoryPlan:
     """`with_decode_dtypes` from the verdicts' records (`DtypeChoice.as_record`s by use:
-    `DecodeCopies.dtypes`, summary.json `dtypes`); the draft's, where none, the decoding's."""
+    `DecodeCopies.dtypes`, summary.json `dtypes`); the draft's, where none, the decoding's;
+    with a compiled drafter's verdict as well, the wider of the two (a checkpoint's eager copy
+    is loaded into the compiled drafter's)."""
     dtypes = {use: record["dtype"] for use, record in records.items() if isinstance(record, dict)}
     draft = dtypes.get("draft", dtypes["decode"])
+    compiled_draft = dtypes.get("draft_compiled", draft)
+    if resolve_dtype(compiled_draft).itemsize > resolve_dtype(draft).itemsize:
+        draft = compiled_draft
     measured = any((records.get(use) or {}).get("source") == "measured" for use in ("decode", "ar"))
     return with_decode_dtypes(plan, dtypes["decode"], dtypes["ar"], draft, compiled, measured)
 
