@@ -21,6 +21,7 @@ import train.eval.plan
 from decoding.compiled import CompiledTarget
 from decoding.inductor import counts_recordings
 from models import draft_lm
+from models.dtype_choice import DtypeChoice
 from models.target import Target
 from tests.helpers import untied_target
 from tests.test_compiled import eval_cfg, prompts
@@ -361,3 +362,25 @@ def test_compiled_draft_dtype_is_timed_on_the_compiled_drafter(
     again, _ = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
     assert timed == [] and again["dtypes"]["draft_compiled"]["source"] == "cached"
     assert again["dtypes"]["draft_compiled"]["dtype"] == faster
+
+
+def test_compiled_draft_dtype_a_drafter_cannot_run_in_loses(target, monkeypatch, tmp_path):
+    """A dtype whose compiled drafter cannot decode (here: its copy raises, as a dtype
+    mismatch inside a drafter would) times as infinite and the other one decodes."""
+    real_copy = train.eval.compiled.draft_decode_copy
+
+    def no_bf16(draft, dtype):
+        if dtype == torch.bfloat16:
+            raise RuntimeError("expected scalar type BFloat16 but found Float")
+        return real_copy(draft, dtype)
+
+    monkeypatch.setattr(train.eval.compiled, "draft_decode_copy", no_bf16)
+    monkeypatch.setattr(train.eval.plan, "draft_dtype_choice", lambda *a: DtypeChoice(
+        "draft", "float32", "measured", {"float32": 0.1, "bfloat16": 0.2}))  # fmt: skip
+    draft = draft_lm.from_target(target, num_layers=2, init="random")
+    settings = auto_settings(tmp_path, "only", draft_dtype="auto")
+    result, copies = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
+    record = result["dtypes"]["draft_compiled"]
+    assert record["dtype"] == "float32" and record["seconds"]["bfloat16"] == float("inf")
+    assert str(next(copies.draft.parameters()).dtype) == "torch.float32"
+    assert result["greedy/greedy_match_rate"] == 1.0

@@ -127,11 +127,12 @@ def compiled_draft_choice(
     compiled drafter drafts a round fastest beside the compiled target (`copies.compiled`,
     built with the eager verdict's draft copy), timed where it decodes. The eager verdict
     (train/eval/plan.py: draft_dtype_choice) does not predict it: on an AMD EPYC with AVX2
-    only it chose float32 in one process (168.5 against 230.0 ms) where the compiled drafter
-    drafted a round in 18.7 ms in float32 and 14.0 in bf16 (docs/fastpath.md). Both drafters
-    decode `prompt` greedily without lookup, one after the other `repeats` times after a
-    warm-up; each dtype's seconds: the median of its draft seconds per round (the verify is
-    the same forward for both). Measured by rank 0 once per machine (models/dtype_choice.py,
+    only it chose float32 in one process (168.5 against 230.0 ms) where this verdict, in
+    another, drafted a round in 19.1 ms in float32 and 14.2 in bf16 (docs/results.md). Both
+    drafters decode `prompt` greedily without lookup, one after the other `repeats` times
+    after a warm-up; each dtype's seconds: the median of its draft seconds per round (the
+    verify is the same forward for both; a dtype the drafter cannot run in times as
+    infinite). Measured by rank 0 once per machine (models/dtype_choice.py,
     use "draft_compiled"), every rank follows; recorded in `copies.dtypes`; where another
     dtype wins, its drafter replaces the kept one (`copies.draft`, `drafter`, `spec_target`).
     A draft that adapts the target or shares its layers keeps the target's dtype."""
@@ -157,15 +158,21 @@ def compiled_draft_choice(
                 candidates = [resolve_dtype(name) for name in dtype_choice.CANDIDATES]
                 per_round = {c: [] for c in candidates}
                 for rep in range(repeats + 1):  # the first is the warm-up
-                    for c in candidates:
-                        _, drafter, spec_target = build(c)
-                        base = getattr(drafter, "base", drafter)  # without prompt lookup
-                        result = generate(spec_target, prompt, base, k=settings.k,
-                                          max_new_tokens=new_tokens, eos_token_ids=[],
-                                          tree=settings.tree)  # fmt: skip
+                    for c in [c for c in candidates if c not in seconds]:
+                        try:
+                            _, drafter, spec_target = build(c)
+                            base = getattr(drafter, "base", drafter)  # without prompt lookup
+                            result = generate(spec_target, prompt, base, k=settings.k,
+                                              max_new_tokens=new_tokens, eos_token_ids=[],
+                                              tree=settings.tree)  # fmt: skip
+                        except (RuntimeError, TypeError) as err:  # e.g. a dtype mismatch
+                            print(f"dtype draft_compiled: {c} cannot decode "
+                                  f"({str(err).splitlines()[0]})", flush=True)  # fmt: skip
+                            seconds[c] = float("inf")
+                            continue
                         if rep:
                             per_round[c].append(result.draft_s / max(1, len(result.round_tokens)))
-                seconds.update({c: statistics.median(t) for c, t in per_round.items()})
+                seconds.update({c: statistics.median(t) for c, t in per_round.items() if t})
             return seconds[dtype]
 
         shapes = {"target": copies.target.name, "target_dtype": str(copies.target.dtype),
