@@ -321,8 +321,9 @@ def test_compiled_draft_dtype_is_timed_on_the_compiled_drafter(
     target, faster, monkeypatch, tmp_path
 ):
     """decode.draft_dtype=auto on the compiled path: both dtypes' drafters are timed beside
-    the compiled target (their draft seconds per round, faked here so that `faster` wins),
-    the faster one's drafter is the speculative decode's, still lossless, and the verdict is
+    the compiled target (their draft seconds per round, faked here so that `faster` wins
+    where the eager verdict chose the other), the faster one's drafter replaces the kept one
+    and is the speculative decode's, still lossless, and the verdict is
     recorded apart from the eager one (`draft_compiled`); a later evaluation on the machine
     reads it and times nothing."""
     timed = []  # (compiled target?, the drafter's dtype) of every timing decode
@@ -336,6 +337,9 @@ def test_compiled_draft_dtype_is_timed_on_the_compiled_drafter(
         return result
 
     monkeypatch.setattr(train.eval.compiled, "generate", fake_draft_seconds)
+    slower = "bfloat16" if faster == "float32" else "float32"  # the eager verdict: the other
+    monkeypatch.setattr(train.eval.plan, "draft_dtype_choice", lambda *a: DtypeChoice(
+        "draft", slower, "measured", {faster: 0.2, slower: 0.1}))  # fmt: skip
     calls = recorded_decodes(monkeypatch)
     drafters = []  # the drafter of every speculative decode the evaluation timed
     real_metrics_generate = decoding.metrics.generate
@@ -384,3 +388,36 @@ def test_compiled_draft_dtype_a_drafter_cannot_run_in_loses(target, monkeypatch,
     assert record["dtype"] == "float32" and record["seconds"]["bfloat16"] == float("inf")
     assert str(next(copies.draft.parameters()).dtype) == "torch.float32"
     assert result["greedy/greedy_match_rate"] == 1.0
+
+
+def test_compiled_draft_verdict_holds_at_later_checkpoints(target, monkeypatch, tmp_path):
+    """The eager verdict bf16, the compiled one float32: a later checkpoint's weights reach
+    the kept float32 drafter unrounded (not through the bf16 eager copy). And a dtype whose
+    timing decode fails after timed repeats keeps its infinite time."""
+    monkeypatch.setattr(train.eval.plan, "draft_dtype_choice", lambda *a: DtypeChoice(
+        "draft", "bfloat16", "measured", {"float32": 0.2, "bfloat16": 0.1}))  # fmt: skip
+    real_generate, bf16_calls = train.eval.compiled.generate, []
+
+    def bf16_fails_late(spec_target, prompt, drafter, **kwargs):
+        bf16 = next(drafter.model.parameters()).dtype == torch.bfloat16
+        if bf16:
+            bf16_calls.append(1)
+            if len(bf16_calls) == 3:  # after the warm-up and one timed repeat
+                raise RuntimeError("expected scalar type BFloat16 but found Float")
+        result = real_generate(spec_target, prompt, drafter, **kwargs)
+        result.draft_s = len(result.round_tokens) * (0.01 if bf16 else 0.02)  # bf16 faster
+        return result
+
+    monkeypatch.setattr(train.eval.compiled, "generate", bf16_fails_late)
+    settings = auto_settings(tmp_path, "only", draft_dtype="auto")
+    torch.manual_seed(1)
+    first = draft_lm.from_target(target, num_layers=2, init="random")
+    result, copies = evaluate_checkpoint(target, first, eval_prompts(), settings, None)
+    record = result["dtypes"]["draft_compiled"]
+    assert record["dtype"] == "float32" and record["seconds"]["bfloat16"] == float("inf")
+    torch.manual_seed(2)
+    later = draft_lm.from_target(target, num_layers=2, init="random")
+    evaluate_checkpoint(target, later, eval_prompts(), settings, None, copies)
+    kept = dict(copies.draft.named_parameters())
+    for name, weight in later.named_parameters():
+        assert kept[name].dtype == torch.float32 and torch.equal(kept[name], weight), name

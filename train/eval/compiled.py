@@ -172,7 +172,9 @@ def compiled_draft_choice(
                             continue
                         if rep:
                             per_round[c].append(result.draft_s / max(1, len(result.round_tokens)))
-                seconds.update({c: statistics.median(t) for c, t in per_round.items() if t})
+                # a dtype that failed after timed repeats keeps its infinite time
+                seconds.update({c: statistics.median(t) for c, t in per_round.items()
+                                if t and c not in seconds})  # fmt: skip
             return seconds[dtype]
 
         shapes = {"target": copies.target.name, "target_dtype": str(copies.target.dtype),

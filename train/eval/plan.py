@@ -170,8 +170,14 @@ def plan_checkpoint(
     choose_linear_layouts(target_eval, settings, eval_prompts, ranks, compiled)
     passes = []
     if compiled:
+        # A later checkpoint's weights reach the kept compiled drafter from a copy in its own
+        # dtype: a bf16 copy loaded into a float32 drafter would decode rounded weights.
+        kept = target_eval.dtypes.get("draft_compiled")
+        compiled_eval = draft_eval
+        if kept is not None and resolve_dtype(kept["dtype"]) != draft_dtype:
+            compiled_eval = draft_decode_copy(draft, resolve_dtype(kept["dtype"]))
         compiled_target, spec_target, compiled_drafter = compiled_decoding(
-            target_eval, draft_eval, decode_target, drafter, settings, max_len
+            target_eval, compiled_eval, decode_target, drafter, settings, max_len
         )  # fmt: skip
         if "draft_compiled" not in target_eval.dtypes:  # a run's first compiled evaluation
             with phase("evaluation: compile"):  # the other dtype's drafter graphs, timed
