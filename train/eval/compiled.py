@@ -119,6 +119,22 @@ def drafter_on(
     )
 
 
+def draft_dtype_setting(
+    draft: torch.nn.Module, target: Target, settings: EvalSettings, prompt: torch.Tensor
+) -> tuple[str, dict]:
+    """decode.draft_dtype as a draft dtype verdict takes it, and the shapes it is keyed by:
+    unset (a config written before the key existed) the target's dtype, as decoding was; a
+    draft that adapts the target or shares its layers follows the target's dtype."""
+    target_dtype = str(target.dtype).removeprefix("torch.")
+    setting = settings.draft_dtype or target_dtype
+    if setting == "auto" and draft.decoding_target(target) is not target:
+        setting = target_dtype
+    shapes = {"target": target.name, "target_dtype": str(target.dtype), "draft": draft.kind,
+              "params": sum(p.numel() for p in draft.parameters()), "k": settings.k,
+              "tree": repr(settings.tree), "prompt": prompt.shape[1]}  # fmt: skip
+    return setting, shapes
+
+
 def compiled_draft_choice(
     copies: DecodeCopies, draft: torch.nn.Module, settings: EvalSettings, prompt: torch.Tensor,
     ranks: Ranks, new_tokens: int = 32, repeats: int = 3,
@@ -138,9 +154,7 @@ def compiled_draft_choice(
     A draft that adapts the target or shares its layers keeps the target's dtype."""
     current = next(copies.draft.parameters()).dtype
     new_tokens = min(new_tokens, settings.max_new_tokens)  # what the compiled cache holds
-    setting = settings.draft_dtype or str(copies.target.dtype).removeprefix("torch.")
-    if setting == "auto" and draft.decoding_target(copies.target) is not copies.target:
-        setting = str(copies.target.dtype).removeprefix("torch.")
+    setting, shapes = draft_dtype_setting(draft, copies.target, settings, prompt)
     built = {current: (copies.draft, copies.drafter, copies.spec_target)}
 
     def build(dtype: torch.dtype) -> tuple:
@@ -177,11 +191,8 @@ def compiled_draft_choice(
                                 if t and c not in seconds})  # fmt: skip
             return seconds[dtype]
 
-        shapes = {"target": copies.target.name, "target_dtype": str(copies.target.dtype),
-                  "draft": draft.kind, "params": sum(p.numel() for p in draft.parameters()),
-                  "k": settings.k, "tree": repr(settings.tree), "prompt": prompt.shape[1],
-                  "new": new_tokens, "max_len": copies.compiled.max_len,
-                  "mode": copies.compiled.mode}  # fmt: skip
+        shapes |= {"new": new_tokens, "max_len": copies.compiled.max_len,
+                   "mode": copies.compiled.mode}  # fmt: skip
         choice = choose_dtype("draft_compiled", setting, shapes, measure,
                               copies.target.device, settings.cache_dir)  # fmt: skip
         if choice.source != "explicit":

@@ -69,6 +69,7 @@ from train.eval.compiled import (
     compiled_draft_choice,
     compiled_verify_timed,
     describe_compile,
+    draft_dtype_setting,
 )
 from train.eval.settings import EvalSettings
 from train.parallel.ranks import Ranks
@@ -315,16 +316,8 @@ def draft_dtype_choice(
     runs one-row forwards, where bf16 can win on a CPU whose many-row bf16 forwards lose
     (docs/portable.md). A draft that adapts the target (Medusa-2) follows the target's dtype.
     A dtype the drafter cannot run in times as infinite."""
-    # Unset (a config written before the key existed): the target's dtype, as decoding was.
-    setting = settings.draft_dtype
-    if setting is None:
-        setting = str(target.dtype).removeprefix("torch.")
+    setting, shapes = draft_dtype_setting(draft, target, settings, prompt)
     tree = settings.tree
-    if setting == "auto" and draft.decoding_target(target) is not target:
-        setting = str(target.dtype).removeprefix("torch.")
-    shapes = {"target": target.name, "target_dtype": str(target.dtype), "draft": draft.kind,
-              "params": sum(p.numel() for p in draft.parameters()), "k": settings.k,
-              "tree": repr(tree), "prompt": prompt.shape[1]}  # fmt: skip
 
     def measure(dtype: torch.dtype) -> float:
         copy_ = draft_decode_copy(draft, dtype)

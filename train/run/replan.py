@@ -80,8 +80,8 @@ def with_decode_dtypes(
 def with_recorded_dtypes(plan: MemoryPlan, records: dict, compiled: bool) -> MemoryPlan:
     """`with_decode_dtypes` from the verdicts' records (`DtypeChoice.as_record`s by use:
     `DecodeCopies.dtypes`, summary.json `dtypes`); the draft's, where none, the decoding's;
-    with a compiled drafter's verdict as well, the wider of the two (a checkpoint's eager copy
-    is loaded into the compiled drafter's)."""
+    with a compiled drafter's verdict as well, the wider of the two (at a later checkpoint the
+    eager copy and the compiled drafter's copy are held at once)."""
     dtypes = {use: record["dtype"] for use, record in records.items() if isinstance(record, dict)}
     draft = dtypes.get("draft", dtypes["decode"])
     compiled_draft = dtypes.get("draft_compiled", draft)
