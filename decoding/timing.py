@@ -16,11 +16,13 @@ from models.target import Target
 
 
 def compiled_forward_seconds(
-    target: Target, dtype: torch.dtype, width: int, cached: int, mode: str, layers: int = 2
-) -> float:
+    target: Target, dtype: torch.dtype, width: int, cached: int, mode: str, layers: int = 2,
+    max_len: int | None = None,
+) -> float:  # fmt: skip
     """Seconds of one forward of `width` tokens over `cached` through a throwaway compiled
     copy of `target`'s first `layers` layers (embedding, final norm and head included) in
-    `dtype` (float32 rotary; the target is untouched), times num_layers / layers: how
+    `dtype` (float32 rotary; the target is untouched), its static cache `max_len` long
+    (default: cached + width), times num_layers / layers: how
     `decode.dtype=auto` compares dtypes for a decode that runs compiled, by proxy. The eager
     timing does not predict it (on a CPU with AVX2 only the eager verify was faster in bf16
     while the compiled float32 AR step ran about 1.6x the compiled bf16 one, two evaluations,
@@ -29,7 +31,8 @@ def compiled_forward_seconds(
     its graph back when timed."""
     copy_ = Target(cast_keep_rotary(first_layers(target.model, layers), dtype),
                    target.tokenizer, name=target.name, check_head=False)  # fmt: skip
-    compiled = CompiledTarget(copy_, cached + width, (width,), (), mode=mode)
+    max_len = max(max_len or 0, cached + width)
+    compiled = CompiledTarget(copy_, max_len, (width,), (), mode=mode)
     try:
         compiled.warmup()
         return forward_seconds(compiled, width, cached, ()) * target.num_layers / copy_.num_layers

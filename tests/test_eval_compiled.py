@@ -181,8 +181,8 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
     compiled = {torch.float32: 0.10, torch.bfloat16: 0.15}
     asked = []
 
-    def fake_compiled(target_, dtype, width, cached, mode, layers):
-        assert target_ is target and mode == "aot_eager"
+    def fake_compiled(target_, dtype, width, cached, mode, layers, max_len):
+        assert target_ is target and mode == "aot_eager" and max_len >= cached + width
         asked.append((dtype, width, layers))
         return compiled[dtype]
 
@@ -203,6 +203,24 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
         assert (again.dtypes["decode"]["dtype"], again.dtypes["decode"]["source"]) == (
             "float32", "cached")  # fmt: skip
         assert len(asked) == 2
+
+
+def test_the_compiled_dtype_proxy_has_the_decodes_cache_length(target, monkeypatch, tmp_path):
+    """The decode dtype's compiled proxy is built for the cache length and the verify width
+    of the target graph the decode compiles next: that graph's C++ kernels are then the
+    proxy's, compiled already (inductor's on-disk cache)."""
+    asked = []
+
+    def fake_compiled(target_, dtype, width, cached, mode, layers, max_len):
+        asked.append((width, max_len))
+        return {torch.float32: 0.1, torch.bfloat16: 0.2}[dtype]
+
+    monkeypatch.setattr(train.eval.plan, "compiled_forward_seconds", fake_compiled)
+    draft = draft_lm.from_target(target, num_layers=2, init="random")
+    settings = auto_settings(tmp_path, "only", dtype="auto")
+    _, copies = evaluate_checkpoint(target, draft, eval_prompts(), settings, None)
+    assert copies.compiled.widths == (1, settings.k + 1)
+    assert asked == [(settings.k + 1, copies.compiled.max_len)] * 2
 
 
 def test_compiled_forward_seconds_times_a_copy_and_leaves_the_target_alone(target, monkeypatch):

@@ -78,6 +78,16 @@ def compiled_verify_timed(
     return path if timed else None
 
 
+def target_widths(settings: EvalSettings) -> tuple[int, ...]:
+    """The widths the compiled target's graphs run at: the AR's 1 and the verify's (k + 1, or
+    tree size + 1), and 2k + 1 where adaptive k reaches 2k."""
+    k, tree = settings.k, settings.tree
+    widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
+    if tree is None and settings.adaptive_k:
+        widths += (2 * k + 1,)
+    return widths
+
+
 def compiled_decoding(
     copies: DecodeCopies, draft_eval: torch.nn.Module, decode_target: Target, drafter: Drafter,
     settings: EvalSettings, max_len: int,
@@ -88,10 +98,7 @@ def compiled_decoding(
     Medusa-2 adapted target) in place: a new module would compile new graphs."""
     adapted = adapts_target(decode_target, copies.target)  # Medusa-2: weights change
     if copies.compiled is None:
-        k, tree = settings.k, settings.tree
-        widths = (1, tree.size + 1) if tree is not None else (1, k + 1)
-        if tree is None and settings.adaptive_k:
-            widths += (2 * k + 1,)  # adaptive k reaches 2k
+        tree, widths = settings.tree, target_widths(settings)
         levels = (tree.top_k,) if tree is not None and tree.kind == "dynamic" else ()
         copies.compiled = CompiledTarget(
             decode_target, max_len + max(widths), widths, drafter.hidden_layers,

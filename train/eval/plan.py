@@ -70,6 +70,7 @@ from train.eval.compiled import (
     compiled_verify_timed,
     describe_compile,
     draft_dtype_setting,
+    target_widths,
 )
 from train.eval.settings import EvalSettings
 from train.parallel.ranks import Ranks
@@ -132,12 +133,7 @@ def plan_checkpoint(
     decode_target = draft_eval.decoding_target(target_eval.target)
     adapted = adapts_target(decode_target, target_eval.target)
     drafter = with_lookup(make_drafter(draft_eval, decode_target), settings.lookup_min_match)
-    chosen = spread(eval_prompts, settings.num_prompts)  # over the categories' blocks
-    prompts = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in chosen]
-    # decode.ood_prompts: kinds the training data has none of, decoded for tau alone
-    ood = ood_prompts(settings.ood_prompts, target.tokenizer, settings.chat_template)
-    ood = spread(ood, settings.ood_num_prompts or len(prompts))  # over the file's kinds
-    ood = [torch.tensor(p["input_ids"], device=decode_target.device)[None] for p in ood]
+    prompts, ood = decode_prompts(eval_prompts, settings, target.tokenizer, decode_target.device)
     max_new_tokens = settings.max_new_tokens
     samplings = sorted(settings.samplings.items(), key=lambda item: item[0] != "greedy")
     setting = compile_setting(settings.compile)
@@ -238,6 +234,27 @@ def choose_linear_layouts(
         few_rows_products(copy_.model, copies.dtypes[use]["dtype"] == "transposed")
 
 
+def decode_prompts(
+    eval_prompts: list[dict], settings: EvalSettings, tokenizer, device: torch.device
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The prompts a checkpoint decodes ([1, T] each): decode.num_prompts of the eval prompts
+    (spread over the categories' blocks), and decode.ood_prompts, kinds the training data has
+    none of, decoded for tau alone (spread over the file's kinds)."""
+    chosen = spread(eval_prompts, settings.num_prompts)
+    prompts = [torch.tensor(p["input_ids"], device=device)[None] for p in chosen]
+    ood = ood_prompts(settings.ood_prompts, tokenizer, settings.chat_template)
+    ood = spread(ood, settings.ood_num_prompts or len(prompts))
+    return prompts, [torch.tensor(p["input_ids"], device=device)[None] for p in ood]
+
+
+def graph_len(target: Target, settings: EvalSettings, eval_prompts: list[dict]) -> int:
+    """The cache length the compiled target's graphs are built for (`compiled_decoding`): the
+    longest prompt decoded plus max_new_tokens plus the widest forward."""
+    prompts, ood = decode_prompts(eval_prompts, settings, target.tokenizer, torch.device("cpu"))
+    longest = max(p.shape[1] for p in prompts + ood)
+    return longest + settings.max_new_tokens + max(target_widths(settings))
+
+
 def typical_shapes(settings: EvalSettings, eval_prompts: list[dict]) -> tuple[int, int, int]:
     """A decode's typical prompt length, cache length and verify width, as its copies are
     timed: the median prompt, the cache halfway through max_new_tokens (multiples of 32)."""
@@ -260,10 +277,13 @@ def decode_copies(target: Target, settings: EvalSettings, eval_prompts: list[dic
     verify is timed compiled, on a compiled copy of the target's first layers
     (decoding.timing.compiled_forward_seconds: a proxy, minutes cheaper than compiling the
     whole target per dtype), with auto where `only` recorded it: the path the decode will
-    take decides its dtype."""
+    take decides its dtype. The proxy's graph holds the decode's cache length (`graph_len`)
+    and verify width: it times the attention the decode runs, and the target's verify graph
+    in the chosen dtype finds the proxy's C++ kernels compiled (docs/fastpath.md)."""
     prompt, cached, width = typical_shapes(settings, eval_prompts)
     per, cache_dir = settings.max_new_tokens, settings.cache_dir
     path = compiled_verify_timed(settings.compile, settings.dtype, target.device)
+    max_len = graph_len(target, settings, eval_prompts) if path is not None else None
     mode = settings.compile_mode
     # each eager dtype timed at its faster linear layout (models/few_rows.py); plan_checkpoint
     # then records the layout of the dtype chosen
@@ -274,7 +294,8 @@ def decode_copies(target: Target, settings: EvalSettings, eval_prompts: list[dic
                   "prefill": prompt, "per": per}  # fmt: skip
         if layouts and target.device.type == "cpu":  # not the verdict of plain linears alone
             shapes["layouts"] = ["transposed" if t else "plain" for t in layouts]
-        timed = shapes | {"path": "only", "mode": mode, "proxy_layers": PROXY_LAYERS}
+        timed = shapes | {"path": "only", "mode": mode, "proxy_layers": PROXY_LAYERS,
+                          "max_len": max_len}  # fmt: skip
         recorded = dtype_choice.cache_file(
             cache_dir, {**dtype_choice.machine_key(), "use": use, "shapes": timed}
         ).is_file()
@@ -289,7 +310,8 @@ def decode_copies(target: Target, settings: EvalSettings, eval_prompts: list[dic
                     time_in_layout(target, dtype, new, cached, t) for t in layouts or (False,)
                 )
                 return step + prefill / per
-            step = compiled_forward_seconds(target, dtype, new, cached, mode, PROXY_LAYERS)
+            within = min(cached, max_len - new)  # the typical cache, as the graph holds it
+            step = compiled_forward_seconds(target, dtype, new, within, mode, PROXY_LAYERS, max_len)
             return step + prefill / per
 
         choices[use] = choose_dtype(use, setting, shapes, measure, target.device, cache_dir)
