@@ -207,8 +207,8 @@ def test_decode_dtype_is_timed_on_the_path_it_decodes(target, monkeypatch, tmp_p
 
 def test_the_compiled_dtype_proxy_has_the_decodes_cache_length(target, monkeypatch, tmp_path):
     """The decode dtype's compiled proxy is built for the cache length and the verify width
-    of the target graph the decode compiles next: that graph's C++ kernels are then the
-    proxy's, compiled already (inductor's on-disk cache)."""
+    of the target graph the decode compiles next, so that graph finds the proxy's C++ kernels
+    in inductor's on-disk cache."""
     asked = []
 
     def fake_compiled(target_, dtype, width, cached, mode, layers, max_len):

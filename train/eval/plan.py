@@ -137,7 +137,7 @@ def plan_checkpoint(
     max_new_tokens = settings.max_new_tokens
     samplings = sorted(settings.samplings.items(), key=lambda item: item[0] != "greedy")
     setting = compile_setting(settings.compile)
-    max_len = max(p.shape[1] for p in prompts + ood) + max_new_tokens
+    max_len = decode_len(prompts + ood, max_new_tokens)
     with phase("evaluation: compile"):  # the graphs, and the verdict's timing
         if setting in ("auto", "only") and "compile" not in target_eval.dtypes:
             # what building the compiled copies cost, by the clock: graphs already compiled in
@@ -247,12 +247,16 @@ def decode_prompts(
     return prompts, [torch.tensor(p["input_ids"], device=device)[None] for p in ood]
 
 
+def decode_len(prompts: list[Tensor], max_new_tokens: int) -> int:
+    """Positions a decode of `prompts` reaches: the longest prompt plus max_new_tokens."""
+    return max(p.shape[1] for p in prompts) + max_new_tokens
+
+
 def graph_len(target: Target, settings: EvalSettings, eval_prompts: list[dict]) -> int:
     """The cache length the compiled target's graphs are built for (`compiled_decoding`): the
-    longest prompt decoded plus max_new_tokens plus the widest forward."""
+    decode's length plus the widest forward."""
     prompts, ood = decode_prompts(eval_prompts, settings, target.tokenizer, torch.device("cpu"))
-    longest = max(p.shape[1] for p in prompts + ood)
-    return longest + settings.max_new_tokens + max(target_widths(settings))
+    return decode_len(prompts + ood, settings.max_new_tokens) + max(target_widths(settings))
 
 
 def typical_shapes(settings: EvalSettings, eval_prompts: list[dict]) -> tuple[int, int, int]:
